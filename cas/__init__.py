@@ -1,0 +1,42 @@
+"""cas: a content-addressed, incremental checkpoint store for PyTorch training.
+
+    import cas
+    with cas.open("runs/exp1/ckpt") as store:
+        store.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
+        state = store.load()
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
+                     FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
+                     StoreClosedError)
+
+__version__ = "0.1.0"
+
+
+def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builtin on purpose
+    """Open the store at `path`, creating it when the path is missing or an empty folder.
+
+    Options: create (default True), readonly, chunk_size (fixed at creation, default 4 MiB),
+    compress (default True), compression_level (zstd, default 1), workers (default: CPU count),
+    window_bytes (in-flight chunk bytes while saving, default 256 MiB).
+    """
+    from .store import Store
+
+    return Store(path, **options)
+
+
+def __getattr__(name: str):
+    if name in ("Store", "Checkpoint", "VerifyReport", "StoreStats"):
+        from . import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'cas' has no attribute {name!r}")
+
+
+__all__ = ["CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
+           "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
+           "StoreClosedError", "open"]

@@ -1,0 +1,75 @@
+"""Every error `cas` raises on purpose derives from `CasError`.
+
+Messages name the thing that is wrong (the store path, the step, the object key, the tensor
+path) and, where there is one, what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class CasError(Exception):
+    """Base of every error we raise on purpose."""
+
+
+class NotAStoreError(CasError):
+    """The path exists but holds no store (and is not an empty folder we may create one in)."""
+
+
+class FormatVersionError(CasError):
+    """The store, or one of its records, was written by a format version we do not read."""
+
+
+class ReadOnlyStoreError(CasError):
+    """A write was asked of a store opened read-only."""
+
+
+class CheckpointNotFoundError(CasError, KeyError):
+    """No committed checkpoint has that step."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointExistsError(CasError):
+    """A checkpoint with that step is already committed; steps are never overwritten."""
+
+
+class StoreClosedError(CasError):
+    """The store was used after close()."""
+
+
+class CorruptionError(CasError):
+    """Stored bytes are missing or do not match their hash. Never returned as data.
+
+    Carries the object key (hex) and, when known, the checkpoint step and tensor path that
+    depend on it, so a report can say what is lost.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, step: int | None = None,
+                 path: str | None = None) -> None:
+        self.detail = message
+        self.key = key
+        self.step = step
+        self.path = path
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.step is not None:
+            where.append(f"checkpoint step {self.step}")
+        if self.path:
+            where.append(f"tensor {self.path!r}")
+        if self.key:
+            where.append(f"object {self.key}")
+        return f"{self.detail} ({', '.join(where)})" if where else self.detail
+
+    def located(self, *, step: int | None = None, path: str | None = None) -> "CorruptionError":
+        """Return the same error with the checkpoint and tensor it was found under filled in."""
+        err = type(self)(self.detail, key=self.key,
+                         step=self.step if self.step is not None else step,
+                         path=self.path or path)
+        return err
+
+
+class MissingObjectError(CorruptionError):
+    """An object that a checkpoint references is not in the store."""

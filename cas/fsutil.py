@@ -1,0 +1,79 @@
+"""Durable file writes: temporary name, write, fsync, atomic rename, fsync of the directory.
+
+A reader never sees a partial file under a final name. Object files are written once and
+never modified; the only other writes are the store's config at creation.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+
+
+def tmp_name(directory: str, stem: str) -> str:
+    """A temporary path no other writer (process or thread) will pick."""
+    return os.path.join(directory, f".{stem}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp")
+
+
+def write_parts(fd: int, parts) -> int:
+    """Write every bytes-like part fully (os.write may write less than asked)."""
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            total += n
+    return total
+
+
+def atomic_write(path: str, parts, *, tmp_dir: str | None = None, fsync: bool = True) -> int:
+    """Write `parts` to `path` so that `path` holds either nothing or all of them."""
+    directory = os.path.dirname(path)
+    tmp = tmp_name(tmp_dir or directory, os.path.basename(path))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        n = write_parts(fd, parts)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return n
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str, limit: int) -> bytes:
+    """Read a whole file, refusing one larger than `limit` (a hostile or damaged file must not
+    make us allocate without bound)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed")
+        data = f.read(size + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} grew past {limit} bytes while being read")
+    return data
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

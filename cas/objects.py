@@ -1,0 +1,118 @@
+"""Where large encoded objects live: the backend interface and the local-files backend.
+
+A backend stores opaque, immutable, content-named blobs. It knows nothing of encodings or of
+what references what: the index (cas.index) says which objects are durably committed, and
+only it is trusted for dedup. A second backend (object storage, say) is one new class with
+these six methods.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Iterable, Iterator, Protocol
+
+from .errors import CasError, MissingObjectError
+from .fsutil import atomic_write, fsync_dir, read_file
+from .hashing import KEY_SIZE, to_hex
+
+MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
+
+
+class ObjectBackend(Protocol):
+    def get(self, key: bytes) -> bytes:
+        """The stored bytes; MissingObjectError naming the key when absent."""
+
+    def put(self, key: bytes, parts: Iterable) -> int:
+        """Store the concatenation of `parts` under `key`, atomically; returns bytes written.
+        Durable once `sync()` returns."""
+
+    def has(self, key: bytes) -> int | None:
+        """Size in bytes of the stored object, or None when absent."""
+
+    def delete(self, key: bytes) -> None:
+        """Remove the object; absent is fine."""
+
+    def iterate(self) -> Iterator[bytes]:
+        """Every key stored (order unspecified); foreign names are skipped."""
+
+    def sync(self) -> None:
+        """Make every put so far durable (their directory entries included)."""
+
+
+class FileObjects:
+    """One file per object under objects/ab/<64 hex digits>, written via tmp + fsync + rename."""
+
+    def __init__(self, root: str, tmp_dir: str) -> None:
+        self.root = root
+        self.tmp_dir = tmp_dir
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+
+    def path(self, key: bytes) -> str:
+        if len(key) != KEY_SIZE:
+            raise CasError(f"object key must be {KEY_SIZE} bytes, got {len(key)}")
+        name = to_hex(key)
+        return os.path.join(self.root, name[:2], name)
+
+    def get(self, key: bytes) -> bytes:
+        path = self.path(key)
+        try:
+            return read_file(path, MAX_OBJECT_FILE)
+        except FileNotFoundError:
+            raise MissingObjectError("object file is missing", key=to_hex(key)) from None
+        except (ValueError, IsADirectoryError, PermissionError) as exc:
+            raise MissingObjectError(f"object file cannot be read: {exc}", key=to_hex(key)) from None
+
+    def put(self, key: bytes, parts: Iterable) -> int:
+        path = self.path(key)
+        directory = os.path.dirname(path)
+        try:
+            n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)
+            with self._lock:
+                self._dirty.add(self.root)
+            n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
+        with self._lock:
+            self._dirty.add(directory)
+        return n
+
+    def has(self, key: bytes) -> int | None:
+        try:
+            return os.stat(self.path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, key: bytes) -> None:
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._dirty.add(os.path.dirname(path))
+
+    def iterate(self) -> Iterator[bytes]:
+        try:
+            fans = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return
+        for fan in fans:
+            folder = os.path.join(self.root, fan)
+            if len(fan) != 2 or not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if len(name) == 2 * KEY_SIZE and name.startswith(fan):
+                    try:
+                        yield bytes.fromhex(name)
+                    except ValueError:
+                        continue
+
+    def sync(self) -> None:
+        # The lock is held through the fsyncs so that a concurrent sync() cannot return while
+        # another thread is still flushing a directory that holds its objects too.
+        with self._lock:
+            for directory in sorted(self._dirty, key=len, reverse=True):  # fan-outs before root
+                fsync_dir(directory)
+            self._dirty.clear()

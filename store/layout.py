@@ -1,0 +1,107 @@
+"""The store's folder layout and its config file, read first on every open.
+
+    <root>/config        b"cas-store\\n" + msgpack {"format", "chunk_size", "created", "store_id"}
+    <root>/index/        the LMDB environment (cas.index)
+    <root>/objects/ab/…  large objects, one file each (cas.objects)
+    <root>/tmp/          temporary files of writes in progress
+
+Opening a folder that is not a store, or a store of another format version, fails before
+anything is created or changed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from cas.errors import CasError, FormatVersionError, NotAStoreError
+from cas.fsutil import atomic_write, fsync_dir, read_file
+
+STORE_FORMAT = 1
+CONFIG_MAGIC = b"cas-store\n"
+CONFIG_NAME = "config"
+DEFAULT_CHUNK_SIZE = 4 << 20  # see README, "Chunk size": dedup granularity vs. per-object cost
+MIN_CHUNK_SIZE = 64 << 10
+MAX_CHUNK_SIZE = 256 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    format: int
+    chunk_size: int
+    created: float
+    store_id: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: str
+
+    @property
+    def config(self) -> str:
+        return os.path.join(self.root, CONFIG_NAME)
+
+    @property
+    def index(self) -> str:
+        return os.path.join(self.root, "index")
+
+    @property
+    def objects(self) -> str:
+        return os.path.join(self.root, "objects")
+
+    @property
+    def tmp(self) -> str:
+        return os.path.join(self.root, "tmp")
+
+
+def read_config(layout: Layout) -> Config:
+    try:
+        data = read_file(layout.config, 1 << 16)
+    except FileNotFoundError:
+        raise NotAStoreError(f"{layout.root} is not a cas store (it has no {CONFIG_NAME} file); "
+                             "open an empty or missing folder to create one") from None
+    except (ValueError, IsADirectoryError, PermissionError) as exc:
+        raise NotAStoreError(f"{layout.root} is not a readable cas store: {exc}") from None
+    if not data.startswith(CONFIG_MAGIC):
+        raise NotAStoreError(f"{layout.root} is not a cas store: its {CONFIG_NAME} file is not a cas config")
+    try:
+        raw = msgpack.unpackb(data[len(CONFIG_MAGIC):], raw=False)
+        fmt = raw["format"]
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+        raise NotAStoreError(f"the cas config at {layout.config} is damaged") from None
+    if fmt != STORE_FORMAT:
+        raise FormatVersionError(f"the store at {layout.root} has format version {fmt!r}; this cas "
+                                 f"reads version {STORE_FORMAT} (upgrade cas to open it)")
+    try:
+        config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]))
+    except (KeyError, TypeError, ValueError):
+        raise NotAStoreError(f"the cas config at {layout.config} is damaged") from None
+    if not MIN_CHUNK_SIZE <= config.chunk_size <= MAX_CHUNK_SIZE:
+        raise NotAStoreError(f"the cas config at {layout.config} has an implausible chunk size {config.chunk_size}")
+    return config
+
+
+def can_create(root: str) -> bool:
+    """A store may be created where nothing exists, or in an empty folder."""
+    if not os.path.lexists(root):
+        return True
+    return os.path.isdir(root) and not os.path.islink(root) and not os.listdir(root)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if type(chunk_size) is not int or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise CasError(f"chunk_size must be an int between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, "
+                       f"got {chunk_size!r}")
+
+
+def write_config(layout: Layout, *, chunk_size: int) -> None:
+    """Write the config of a new store: the last step of creating one, so that a half-made
+    store is not a store."""
+    body = msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size, "created": time.time(),
+                          "store_id": secrets.token_hex(8)})
+    atomic_write(layout.config, [CONFIG_MAGIC, body])
+    fsync_dir(layout.root)

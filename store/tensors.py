@@ -1,0 +1,105 @@
+"""Tensors and numpy arrays as raw bytes: names for dtypes, byte views, empty outputs.
+
+A tensor is stored as the bytes of its contiguous values; a non-contiguous view is stored as
+its values, a CUDA tensor is copied to host memory, a conjugate or negative view is resolved.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cas.errors import CorruptionError
+
+from .values import numpy_dtype
+
+# Every dtype whose elements are plain bytes; quantized dtypes carry scales elsewhere and are refused.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "bits8", "bits16",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+TORCH_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise CorruptionError(f"unknown torch dtype {name!r}") from None
+
+
+def is_floating(dtype) -> bool:
+    """Whether byte grouping helps: floats and complex numbers, whose high bytes repeat."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.is_floating_point or dtype.is_complex
+    return np.dtype(dtype).kind in "fc"
+
+
+def group_size(dtype) -> int:
+    """Byte-group stride for a dtype: the size of one float component (complex64 -> 4)."""
+    if isinstance(dtype, torch.dtype):
+        size = torch.empty((), dtype=dtype).element_size()
+        return size // 2 if dtype.is_complex else size
+    dtype = np.dtype(dtype)
+    return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+
+
+def unsupported_tensor_reason(t: torch.Tensor) -> str | None:
+    if t.layout != torch.strided:
+        return f"tensor layout {t.layout} (only dense tensors are stored)"
+    if t.dtype not in TORCH_DTYPE_NAMES:
+        return f"tensor dtype {t.dtype}"
+    if t.device.type == "meta":
+        return "a meta tensor (it has no data)"
+    if t.is_nested:
+        return "a nested tensor"
+    return None
+
+
+def torch_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's contiguous values as a flat uint8 numpy array: a view when the tensor is
+    already a contiguous CPU tensor, else one copy."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
+
+
+def numpy_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+    """A fresh CPU tensor and a writable uint8 view of its bytes."""
+    t = torch.empty(shape, dtype=torch_dtype(dtype_name))
+    view = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
+    return t, view
+
+
+def empty_numpy(dtype_str: str, shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    a = np.empty(shape, dtype=numpy_dtype(dtype_str))
+    return a, a.reshape(-1).view(np.uint8)
+
+
+def nbytes_of(dtype_size: int, shape: list[int]) -> int:
+    n = dtype_size
+    for d in shape:
+        n *= d
+    return n
+
+
+def element_size(lib: str, dtype_name: str) -> int:
+    if lib == "torch":
+        return torch.empty((), dtype=torch_dtype(dtype_name)).element_size()
+    return numpy_dtype(dtype_name).itemsize

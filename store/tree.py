@@ -1,0 +1,244 @@
+"""A training state as a Merkle tree of manifest nodes.
+
+Three node kinds, each an object named by the blake3 of its msgpack bytes (docs/format.md):
+  tensor  {"k": "tensor", "lib", "dtype", "shape", "chunk", "chunks": [chunk keys]}
+  value   {"k": "value", "v": a plain value whose tensor-holding parts are Refs to child nodes}
+  commit  {"k": "commit", "format", "step", "created", ..., "tree": Ref to the state's root node}
+A container becomes a node of its own when it holds a tensor somewhere below it; containers
+without tensors stay inline in their parent. Unchanged subtrees therefore hash the same at the
+next save and cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from cas.errors import CorruptionError
+from cas.hashing import KEY_SIZE, hash_bytes
+
+from . import tensors as T
+from .values import MAX_DEPTH, Ref, numpy_dtype, pack, unpack
+
+MANIFEST_FORMAT = 1
+MAX_DIMS = 64
+
+
+@dataclass(eq=False)
+class TensorLeaf:
+    """A tensor or array found in the state, with the chunk keys its save fills in."""
+
+    path: str
+    lib: str  # "torch" or "numpy"
+    dtype: str  # torch dtype name, or numpy dtype.str
+    shape: list[int]
+    nbytes: int
+    group: int  # byte-group stride for the codec (1: no grouping)
+    source: object  # the tensor or array itself
+    chunk_size: int = 0
+    chunks: list = field(default_factory=list)
+
+    def bytes_view(self) -> np.ndarray:
+        """Flat uint8 view of the values (one copy for CUDA, non-contiguous or lazy tensors)."""
+        if self.lib == "torch":
+            return T.torch_bytes(self.source)
+        return T.numpy_bytes(self.source)
+
+    def node(self) -> dict:
+        return {"k": "tensor", "lib": self.lib, "dtype": self.dtype, "shape": self.shape,
+                "chunk": self.chunk_size, "chunks": self.chunks}
+
+
+def path_join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+class _Container:
+    """A container that holds tensors: it becomes a value node."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
+    """Check every leaf and return (skeleton, tensor leaves). In the skeleton each tensor is a
+    TensorLeaf and each tensor-holding container a _Container; other values are as given.
+    Raises TypeError naming the path of the first value we cannot store."""
+    leaves: list[TensorLeaf] = []
+
+    def walk(value, path: str, depth: int):
+        if depth > MAX_DEPTH:
+            raise TypeError(f"state is nested deeper than {MAX_DEPTH} levels at {path!r}")
+        kind = type(value)
+        if kind in (type(None), bool, int, float, str, bytes):
+            return value
+        if isinstance(value, torch.Tensor):
+            return add_tensor(value, path)
+        if kind is np.ndarray:
+            return add_array(value, path)
+        if isinstance(value, np.generic):
+            if value.dtype.kind not in "biufc":
+                raise TypeError(f"cannot store numpy scalar of dtype {value.dtype} at {path or '<root>'!r}")
+            return value
+        if kind in (dict, OrderedDict):
+            items = []
+            for k, v in value.items():
+                if type(k) not in (str, int, bool):
+                    raise TypeError(f"cannot store dict key {k!r} of type {type(k).__name__} at {path or '<root>'!r}: "
+                                    "keys must be str or int")
+                items.append((k, walk(v, path_join(path, k), depth + 1)))
+            out = kind(items)
+            if kind is OrderedDict and hasattr(value, "_metadata"):
+                out._metadata = _checked_metadata(value._metadata, path)
+            return _wrap(out, (v for _, v in items))
+        if kind in (list, tuple):
+            out = kind(walk(v, path_join(path, i), depth + 1) for i, v in enumerate(value))
+            return _wrap(out, out)
+        raise TypeError(f"cannot store a value of type {kind.__module__}.{kind.__qualname__} at {path or '<root>'!r}")
+
+    def add_tensor(t: torch.Tensor, path: str) -> TensorLeaf:
+        reason = T.unsupported_tensor_reason(t)
+        if reason:
+            raise TypeError(f"cannot store {reason} at {path!r}")
+        leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
+                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size)
+        leaves.append(leaf)
+        return leaf
+
+    def add_array(a: np.ndarray, path: str) -> TensorLeaf:
+        if a.dtype.kind not in "biufc" or a.dtype.fields is not None:
+            raise TypeError(f"cannot store numpy array of dtype {a.dtype} at {path!r}")
+        leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size)
+        leaves.append(leaf)
+        return leaf
+
+    return walk(state, "", 0), leaves
+
+
+def _group(dtype) -> int:
+    return T.group_size(dtype) if T.is_floating(dtype) else 1
+
+
+def _wrap(container, children) -> object:
+    holds = any(isinstance(c, (TensorLeaf, _Container)) for c in children)
+    return _Container(container) if holds else container
+
+
+def _checked_metadata(meta, path: str):
+    try:
+        pack(meta)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"cannot store the _metadata of the state dict at {path or '<root>'!r}") from None
+    return meta
+
+
+def encode_nodes(skeleton) -> tuple[Ref, dict[bytes, bytes]]:
+    """Turn a planned skeleton whose leaves have their chunk keys into node objects.
+    Returns the root reference and {key: msgpack bytes} of every node (deduplicated)."""
+    nodes: dict[bytes, bytes] = {}
+
+    def emit(node: dict) -> Ref:
+        data = pack(node)
+        key = hash_bytes(data)
+        nodes[key] = data
+        return Ref(key)
+
+    def lower(value):
+        if isinstance(value, TensorLeaf):
+            return emit(value.node())
+        if isinstance(value, _Container):
+            return emit({"k": "value", "v": lower_container(value.value)})
+        return value
+
+    def lower_container(c):
+        if isinstance(c, OrderedDict):
+            out = OrderedDict((k, lower(v)) for k, v in c.items())
+            if hasattr(c, "_metadata"):
+                out._metadata = c._metadata
+            return out
+        if isinstance(c, dict):
+            return {k: lower(v) for k, v in c.items()}
+        return type(c)(lower(v) for v in c)
+
+    root = lower(skeleton)
+    if not isinstance(root, Ref):  # a state without tensors still gets a root node
+        root = emit({"k": "value", "v": root})
+    return root, nodes
+
+
+def commit_node(*, step: int, created: float, milestone: bool, metrics: dict, meta: dict,
+                tree: Ref, logical_bytes: int) -> bytes:
+    return pack({"k": "commit", "format": MANIFEST_FORMAT, "step": step, "created": created,
+                 "milestone": milestone, "metrics": metrics, "meta": meta, "tree": tree,
+                 "logical_bytes": logical_bytes})
+
+
+# --- reading ------------------------------------------------------------------------------
+def parse_node(data: bytes, key: bytes) -> dict:
+    """Decode and validate one manifest node; anything unexpected is a CorruptionError."""
+    name = key.hex()
+    node = unpack(data, key=name)
+    if not isinstance(node, dict) or node.get("k") not in ("tensor", "value", "commit"):
+        raise CorruptionError("object is not a manifest node", key=name)
+    kind = node["k"]
+    if kind == "tensor":
+        _check_tensor_node(node, name)
+    elif kind == "commit":
+        if node.get("format") != MANIFEST_FORMAT:
+            raise CorruptionError(f"commit node has manifest format {node.get('format')!r}, "
+                                  f"this cas reads {MANIFEST_FORMAT}", key=name)
+        if not isinstance(node.get("tree"), Ref) or not isinstance(node.get("step"), int):
+            raise CorruptionError("commit node lacks its tree or step", key=name)
+    elif "v" not in node:
+        raise CorruptionError("value node lacks its value", key=name)
+    return node
+
+
+def _check_tensor_node(node: dict, name: str) -> None:
+    shape, chunks, chunk = node.get("shape"), node.get("chunks"), node.get("chunk")
+    ok = (node.get("lib") in ("torch", "numpy") and isinstance(node.get("dtype"), str)
+          and isinstance(shape, list) and len(shape) <= MAX_DIMS
+          and all(type(d) is int and d >= 0 for d in shape)
+          and isinstance(chunks, list) and all(isinstance(c, bytes) and len(c) == KEY_SIZE for c in chunks)
+          and type(chunk) is int and chunk > 0)
+    if not ok:
+        raise CorruptionError("tensor node is malformed", key=name)
+    if node["lib"] == "torch":
+        T.torch_dtype(node["dtype"])
+    else:
+        numpy_dtype(node["dtype"])
+    nbytes = T.nbytes_of(T.element_size(node["lib"], node["dtype"]), shape)
+    if len(chunks) != math.ceil(nbytes / chunk):
+        raise CorruptionError(f"tensor node lists {len(chunks)} chunks for {nbytes} bytes in chunks of {chunk}",
+                              key=name)
+    node["nbytes"] = nbytes
+
+
+def chunk_spans(nbytes: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(start, end) byte offsets of each chunk of a tensor."""
+    for start in range(0, nbytes, chunk):
+        yield start, min(start + chunk, nbytes)
+
+
+def walk_value(value, visit: Callable[[object, str], object], path: str = "", match: type = Ref):
+    """Rebuild a plain value, replacing each instance of `match` (a Ref unless told otherwise)
+    by `visit(item, path)`."""
+    if isinstance(value, match):
+        return visit(value, path)
+    if isinstance(value, OrderedDict):
+        out = OrderedDict((k, walk_value(v, visit, path_join(path, k), match)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata
+        return out
+    if isinstance(value, dict):
+        return {k: walk_value(v, visit, path_join(path, k), match) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk_value(v, visit, path_join(path, i), match) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(walk_value(v, visit, path_join(path, i), match) for i, v in enumerate(value))
+    return value

@@ -1,0 +1,137 @@
+"""Plain values in manifest nodes: msgpack with a few extension types, never pickle.
+
+msgpack keeps None, bool, int (64-bit), float (as float64, so NaN, inf and -0.0 are exact),
+str, bytes, lists and maps (with str and int keys, in order). Extension types carry what it
+would lose: tuples, OrderedDicts (with a state dict's `_metadata`), integers beyond 64 bits,
+numpy scalars, and references to child nodes. Decoding is bounded: nesting depth and sizes
+are limited, and anything malformed is a CorruptionError.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from cas.errors import CorruptionError
+from cas.hashing import KEY_SIZE
+
+EXT_REF = 1  # 32-byte key of a child node
+EXT_TUPLE = 2  # packed array
+EXT_BIGINT = 3  # signed big-endian two's complement
+EXT_NPSCALAR = 4  # packed [dtype str, raw bytes]
+EXT_ODICT = 5  # packed [[key, value]...] pairs, then the `_metadata` value or nil
+MAX_DEPTH = 64
+MAX_BIGINT_BYTES = 4096
+ALLOWED_NUMPY_KINDS = "biufc"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a child node by its key."""
+
+    key: bytes
+
+
+class _Depth:
+    """Tracks the nesting of extension payloads while decoding one node."""
+
+    def __init__(self) -> None:
+        self.level = 0
+
+
+def pack(value) -> bytes:
+    """Encode a value tree (already checked by the tree builder) to msgpack bytes."""
+    return msgpack.packb(value, default=_default, use_bin_type=True, strict_types=True)
+
+
+def _default(obj):
+    if isinstance(obj, Ref):
+        return msgpack.ExtType(EXT_REF, obj.key)
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(EXT_TUPLE, pack(list(obj)))
+    if isinstance(obj, OrderedDict):
+        meta = getattr(obj, "_metadata", None)
+        return msgpack.ExtType(EXT_ODICT, pack([[[k, v] for k, v in obj.items()], meta]))
+    if isinstance(obj, int):  # beyond 64 bits (msgpack refuses it natively), or an int subclass
+        n = int(obj)
+        size = (n.bit_length() + 8) // 8
+        return msgpack.ExtType(EXT_BIGINT, n.to_bytes(size, "big", signed=True))
+    if isinstance(obj, np.generic):
+        return msgpack.ExtType(EXT_NPSCALAR, pack([obj.dtype.str, obj.tobytes()]))
+    if isinstance(obj, dict):  # strict_types sends dict subclasses here; the builder refused others
+        return dict(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def unpack(data, *, what: str = "manifest node", key: str | None = None):
+    """Decode msgpack bytes into values, turning every malformation into CorruptionError."""
+    depth = _Depth()
+    try:
+        return _unpack(data, depth)
+    except CorruptionError:
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+            RecursionError, OverflowError, UnicodeDecodeError, KeyError) as exc:
+        raise CorruptionError(f"{what} is not valid: {type(exc).__name__}: {exc}", key=key) from None
+
+
+def _unpack(data, depth: _Depth):
+    depth.level += 1
+    if depth.level > MAX_DEPTH:
+        raise CorruptionError(f"value nesting deeper than {MAX_DEPTH}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True,
+                               ext_hook=lambda code, payload: _ext(code, payload, depth))
+    finally:
+        depth.level -= 1
+
+
+def _ext(code: int, payload: bytes, depth: _Depth):
+    if code == EXT_REF:
+        if len(payload) != KEY_SIZE:
+            raise CorruptionError(f"node reference of {len(payload)} bytes")
+        return Ref(bytes(payload))
+    if code == EXT_TUPLE:
+        items = _unpack(payload, depth)
+        if not isinstance(items, list):
+            raise CorruptionError("tuple extension does not hold an array")
+        return tuple(items)
+    if code == EXT_ODICT:
+        body = _unpack(payload, depth)
+        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[0], list)):
+            raise CorruptionError("OrderedDict extension is malformed")
+        out = OrderedDict()
+        for pair in body[0]:
+            if not (isinstance(pair, list) and len(pair) == 2) or isinstance(pair[0], (list, dict)):
+                raise CorruptionError("OrderedDict extension holds a malformed pair")
+            out[pair[0]] = pair[1]
+        if body[1] is not None:
+            out._metadata = body[1]
+        return out
+    if code == EXT_BIGINT:
+        if len(payload) > MAX_BIGINT_BYTES:
+            raise CorruptionError("integer extension is implausibly large")
+        return int.from_bytes(payload, "big", signed=True)
+    if code == EXT_NPSCALAR:
+        body = _unpack(payload, depth)
+        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[0], str) and isinstance(body[1], bytes)):
+            raise CorruptionError("numpy scalar extension is malformed")
+        dtype = numpy_dtype(body[0])
+        if dtype.itemsize != len(body[1]):
+            raise CorruptionError(f"numpy scalar of {body[0]} holds {len(body[1])} bytes")
+        return np.frombuffer(body[1], dtype=dtype)[0]
+    raise CorruptionError(f"unknown value extension type {code}")
+
+
+def numpy_dtype(text: str) -> np.dtype:
+    """A numeric numpy dtype from its `.str`, refusing object, structured and string dtypes."""
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError):
+        raise CorruptionError(f"unknown numpy dtype {text!r}") from None
+    if dtype.kind not in ALLOWED_NUMPY_KINDS or dtype.fields is not None or dtype.str != text:
+        raise CorruptionError(f"numpy dtype {text!r} is not one we store")
+    return dtype
