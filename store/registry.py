@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from cas.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError
+from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError
 
 TABLE = "checkpoints"
 RECORD_FORMAT = 1
@@ -23,7 +23,7 @@ def step_key(step: int) -> bytes:
     if type(step) is not int:
         raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
     if not -_BIAS <= step < _BIAS:
-        raise ValueError(f"step {step} does not fit in 64 bits")
+        raise CasError(f"step {step} does not fit in 64 bits")
     return (step + _BIAS).to_bytes(8, "big")
 
 

@@ -67,7 +67,8 @@ class Store:
                                    CodecPolicy(compress=compress, level=compression_level), inline_max)
         self.chunk_size = self.config.chunk_size
         self.window_bytes = window_bytes
-        self._pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2, thread_name_prefix="cas")
+        self._workers = workers or os.cpu_count() or 2
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
         self._closed = False
         self._lock = threading.Lock()
 
@@ -146,7 +147,10 @@ class Store:
             value = _select(value, keys, ck.step)
         jobs: list = []
         state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs))
-        pipeline.read_tensor_chunks(self.objects, jobs, self._pool, window=4 * self._pool._max_workers)
+        try:
+            pipeline.read_tensor_chunks(self.objects, jobs, self._pool, window=4 * self._workers)
+        except CorruptionError as exc:
+            raise exc.located(step=ck.step) from None
         if device is not None:
             target = torch.device(device)
             state = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
@@ -199,6 +203,12 @@ class Store:
         self._check_open()
         with self.index.read() as txn:
             return self.registry.latest(txn)
+
+    def previous(self, step: int) -> Checkpoint | None:
+        """The checkpoint with the largest step below `step`, if any."""
+        self._check_open()
+        with self.index.read() as txn:
+            return self.registry.previous(txn, step)
 
     def delete(self, step: int) -> None:
         """Forget a checkpoint. Its objects stay until gc finds them unreferenced."""

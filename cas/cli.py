@@ -1,0 +1,206 @@
+"""The `cas` command line.
+
+The store comes from `--store PATH` (before or after the command name), else $CAS_STORE, else
+the current folder. Exit status: 0 fine, 1 a check found a problem, 2 usage error or bad input,
+always with a one-line message and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+from .errors import CasError
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+COMMANDS: dict[str, Callable] = {}
+
+
+def command(name: str, help: str):
+    def register(fn):
+        fn.cli_name, fn.cli_help = name, help
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _emit_json(data) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def _step(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is an integer, not {text!r}") from None
+
+
+# --- commands ------------------------------------------------------------------------------
+@command("ls", "list checkpoints")
+def cmd_ls(store, args) -> int:
+    cks = store.checkpoints()
+    if args.json:
+        _emit_json([ck.to_json() for ck in cks])
+        return EXIT_OK
+    if not cks:
+        print(f"no checkpoints in {store.path}")
+        return EXIT_OK
+    print(f"{'step':>10}  {'created (UTC)':19}  {'flags':5}  {'logical':>10}  {'new':>10}  metrics")
+    for ck in cks:
+        flags = ("M" if ck.milestone else "-") + ("P" if ck.pinned else "-")
+        metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in ck.metrics.items())
+        print(f"{ck.step:>10}  {ck.created:%Y-%m-%d %H:%M:%S}  {flags:5}  {human(ck.logical_bytes):>10}  "
+              f"{human(ck.new_bytes):>10}  {metrics}")
+    return EXIT_OK
+
+
+def _add_ls(p) -> None:
+    p.add_argument("--json", action="store_true", help="print as JSON")
+
+
+@command("show", "show one checkpoint's tensors")
+def cmd_show(store, args) -> int:
+    ck = store.get(args.step)
+    tensors = store.tensors(ck.step)
+    prev = store.previous(ck.step)
+    before = {k for t in store.tensors(prev.step) for k in t["chunks"]} if prev else set()
+    rows = [{"path": t["path"], "dtype": t["dtype"], "shape": t["shape"], "bytes": t["bytes"],
+             "chunks": len(t["chunks"]), "new_chunks": sum(1 for k in t["chunks"] if k not in before)}
+            for t in tensors]
+    if args.json:
+        _emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
+        return EXIT_OK
+    print(f"checkpoint {ck.step}  id {ck.id}")
+    print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
+          f"logical {human(ck.logical_bytes)}  new on disk {human(ck.new_bytes)}")
+    if ck.metrics:
+        print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
+    if ck.meta:
+        print("meta " + json.dumps(ck.meta, default=str))
+    against = f"not in step {prev.step}" if prev else "first checkpoint"
+    print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  new ({against})")
+    for r in rows:
+        print(f"{r['path']:40}  {r['dtype']:10}  {str(tuple(r['shape'])):18}  {human(r['bytes']):>10}  "
+              f"{r['chunks']:>6}  {r['new_chunks']}")
+    return EXIT_OK
+
+
+def _add_show(p) -> None:
+    p.add_argument("step", type=_step)
+    p.add_argument("--json", action="store_true")
+
+
+@command("verify", "check every object of one or all checkpoints against its hash")
+def cmd_verify(store, args) -> int:
+    report = store.verify(args.step)
+    if args.json:
+        _emit_json({"ok": report.ok, "checked_checkpoints": report.checked_checkpoints,
+                    "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
+                    "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps})
+    else:
+        for p in report.problems:
+            print(f"PROBLEM: {p}")
+        whole = [s for s in report.checked_checkpoints if s not in report.damaged_steps]
+        print(f"{'ok' if report.ok else 'DAMAGED'}: {len(report.checked_checkpoints)} checkpoints, "
+              f"{report.checked_objects} objects, {human(report.checked_bytes)} checked; "
+              f"{len(whole)} whole, {len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+    return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _add_verify(p) -> None:
+    p.add_argument("step", type=_step, nargs="?")
+    p.add_argument("--json", action="store_true")
+
+
+@command("du", "disk usage: logical against stored bytes")
+def cmd_du(store, args) -> int:
+    s = store.stats()
+    data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
+            "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3)}
+    if args.json:
+        _emit_json(data)
+    else:
+        print(f"checkpoints   {s.num_checkpoints}")
+        print(f"logical       {human(s.logical_bytes)}  (what separate full copies would hold)")
+        print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects")
+        print(f"ratio         {s.dedup_ratio:.2f}x")
+    return EXIT_OK
+
+
+def _add_du(p) -> None:
+    p.add_argument("--json", action="store_true")
+
+
+@command("rm", "forget a checkpoint (space returns at the next gc)")
+def cmd_rm(store, args) -> int:
+    store.delete(args.step)
+    print(f"removed checkpoint {args.step}; run `cas gc` to reclaim the space only it used")
+    return EXIT_OK
+
+
+def _add_step(p) -> None:
+    p.add_argument("step", type=_step)
+
+
+@command("milestone", "mark a checkpoint as a milestone (or --unset)")
+def cmd_milestone(store, args) -> int:
+    ck = store.set_milestone(args.step, not args.unset)
+    print(f"checkpoint {ck.step} is {'now' if ck.milestone else 'no longer'} a milestone")
+    return EXIT_OK
+
+
+def _add_milestone(p) -> None:
+    p.add_argument("step", type=_step)
+    p.add_argument("--unset", action="store_true")
+
+
+ARGUMENTS = {"ls": _add_ls, "show": _add_show, "verify": _add_verify, "du": _add_du, "rm": _add_step,
+             "milestone": _add_milestone}
+READ_ONLY = {"ls", "show", "verify", "du"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cas", description="Content-addressed checkpoint store.")
+    parser.add_argument("--store", help="store folder (default: $CAS_STORE, else the current folder)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, fn in COMMANDS.items():
+        p = sub.add_parser(name, help=fn.cli_help, description=fn.cli_help)
+        p.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        ARGUMENTS[name](p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = args.store or os.environ.get("CAS_STORE") or os.getcwd()
+    try:
+        from .store import Store
+
+        with Store(path, create=False, readonly=args.command in READ_ONLY) as store:
+            return COMMANDS[args.command](store, args)
+    except (CasError, OSError) as exc:
+        print(f"cas: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `cas ls | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("cas: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

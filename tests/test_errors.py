@@ -1,0 +1,123 @@
+"""Bad input gets a clear error naming what is wrong, and changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+import torch
+
+import cas
+from cas.store.layout import CONFIG_MAGIC
+
+
+def _tree(path) -> dict:
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[p] = fh.read()
+    return out
+
+
+def test_folder_that_is_not_a_store_is_refused_and_untouched(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    before = _tree(tmp_path)
+    with pytest.raises(cas.NotAStoreError, match="not a cas store"):
+        cas.open(tmp_path)
+    assert _tree(tmp_path) == before
+
+
+def test_missing_path_is_not_created_when_create_is_false(tmp_path):
+    with pytest.raises(cas.NotAStoreError):
+        cas.open(tmp_path / "nope", create=False)
+    assert not (tmp_path / "nope").exists()
+
+
+def test_empty_folder_becomes_a_store(tmp_path):
+    with cas.open(tmp_path) as s:
+        assert s.checkpoints() == [] and s.latest() is None
+
+
+def test_store_of_a_newer_format_is_refused(store_path):
+    cas.open(store_path).close()
+    cfg = store_path / "config"
+    body = msgpack.unpackb(cfg.read_bytes()[len(CONFIG_MAGIC):])
+    body["format"] = 99
+    cfg.write_bytes(CONFIG_MAGIC + msgpack.packb(body))
+    with pytest.raises(cas.FormatVersionError, match="format version 99"):
+        cas.open(store_path)
+
+
+def test_damaged_config_is_not_a_store(store_path):
+    cas.open(store_path).close()
+    (store_path / "config").write_bytes(CONFIG_MAGIC + b"\xc1garbage")
+    with pytest.raises(cas.NotAStoreError, match="damaged"):
+        cas.open(store_path)
+
+
+def test_missing_step_and_empty_store(store):
+    with pytest.raises(cas.CheckpointNotFoundError, match="holds no checkpoint"):
+        store.load()
+    store.save({"x": torch.ones(3)}, step=5)
+    with pytest.raises(cas.CheckpointNotFoundError, match="step 6"):
+        store.load(6)
+    with pytest.raises(cas.CheckpointNotFoundError):
+        store.delete(6)
+    with pytest.raises(cas.CheckpointNotFoundError, match="no top-level entries"):
+        store.load(5, keys=["y"])
+
+
+def test_existing_step_is_never_overwritten(store):
+    store.save({"x": torch.ones(3)}, step=5)
+    with pytest.raises(cas.CheckpointExistsError, match="step 5 already exists"):
+        store.save({"x": torch.zeros(3)}, step=5)
+    assert torch.equal(store.load(5)["x"], torch.ones(3))
+
+
+@pytest.mark.parametrize("step", ["5", 5.0, None, True])
+def test_step_must_be_an_int(store, step):
+    with pytest.raises(TypeError, match="step must be an int"):
+        store.save({"x": 1}, step=step)
+
+
+@pytest.mark.parametrize("leaf,what", [
+    (object(), "builtins.object"),
+    (torch.randn(3).to_sparse(), "layout"),
+    ({(1, 2): 3}, "dict key"),
+    (bytearray(b"x"), "bytearray"),
+    (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8), "dtype"),
+    (__import__("numpy").array([object()]), "dtype object"),
+])
+def test_unsupported_leaf_raises_type_error_naming_its_path_and_commits_nothing(store, leaf, what):
+    with pytest.raises(TypeError, match=f"{what}.*'opt.state.0'|'opt.state.0'.*{what}|{what}") as info:
+        store.save({"model": {"w": torch.ones(4)}, "opt": {"state": [leaf]}}, step=1)
+    assert "opt.state.0" in str(info.value)
+    assert store.checkpoints() == []
+    with store.index.read() as txn:
+        assert store.index.leases(txn) == {}
+
+
+def test_bad_metrics_and_meta(store):
+    with pytest.raises(TypeError, match="metric 'loss'"):
+        store.save({}, step=1, metrics={"loss": "low"})
+    with pytest.raises(TypeError, match="meta"):
+        store.save({}, step=1, meta={"x": object()})
+    assert store.checkpoints() == []
+
+
+def test_chunk_size_is_fixed_at_creation(store_path):
+    cas.open(store_path, chunk_size=1 << 20).close()
+    with pytest.raises(cas.CasError, match="created with chunk_size 1048576"):
+        cas.open(store_path, chunk_size=2 << 20)
+    with pytest.raises(cas.CasError, match="chunk_size must be"):
+        cas.open(store_path.parent / "other", chunk_size=3)
+
+
+def test_closed_store_refuses_work(store_path):
+    s = cas.open(store_path)
+    s.close()
+    with pytest.raises(cas.StoreClosedError):
+        s.checkpoints()
