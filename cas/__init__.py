@@ -14,6 +14,10 @@ from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, C
                      FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
                      StoreClosedError)
 
+from .api import Store
+from .gc import GcReport, Retention
+from .store import Checkpoint, StoreStats, VerifyReport
+
 __version__ = "0.1.0"
 
 
@@ -22,21 +26,12 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 
     Options: create (default True), readonly, chunk_size (fixed at creation, default 4 MiB),
     compress (default True), compression_level (zstd, default 1), workers (default: CPU count),
-    window_bytes (in-flight chunk bytes while saving, default 256 MiB).
+    window_bytes (in-flight chunk bytes while saving, default 256 MiB), retention (a
+    cas.gc.Retention applied after every save).
     """
-    from .store import Store
-
     return Store(path, **options)
 
 
-def __getattr__(name: str):
-    if name in ("Store", "Checkpoint", "VerifyReport", "StoreStats"):
-        from . import store
-
-        return getattr(store, name)
-    raise AttributeError(f"module 'cas' has no attribute {name!r}")
-
-
-__all__ = ["CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
+__all__ = ["Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "StoreClosedError", "open"]

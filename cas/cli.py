@@ -146,12 +146,84 @@ def _add_du(p) -> None:
 @command("rm", "forget a checkpoint (space returns at the next gc)")
 def cmd_rm(store, args) -> int:
     store.delete(args.step)
-    print(f"removed checkpoint {args.step}; run `cas gc` to reclaim the space only it used")
+    print(f"removed checkpoint {args.step}; run `cas gc --keep-all` (or with your rules) to reclaim the space only it used")
     return EXIT_OK
 
 
 def _add_step(p) -> None:
     p.add_argument("step", type=_step)
+
+
+@command("pin", "pin a checkpoint: a legal hold that no rule and no rm removes")
+def cmd_pin(store, args) -> int:
+    store.pin(args.step)
+    print(f"checkpoint {args.step} is pinned")
+    return EXIT_OK
+
+
+@command("unpin", "release a pin")
+def cmd_unpin(store, args) -> int:
+    store.unpin(args.step)
+    print(f"checkpoint {args.step} is no longer pinned")
+    return EXIT_OK
+
+
+class _TerminalProgress:
+    """One self-overwriting status line on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r{phase}: {done}" + (f"/{total}" if total else "") + " objects\x1b[K")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+
+
+@command("gc", "apply retention rules, then reclaim the space of unreferenced objects")
+def cmd_gc(store, args) -> int:
+    from .gc import Retention
+
+    rules = dict(keep_last=args.keep_last, keep_milestones=args.keep_milestones, keep_every=args.keep_every,
+                 keep_best=args.keep_best, keep_within=args.keep_within)
+    retention = Retention(**rules)
+    if not retention.has_rules and not args.keep_all:
+        print("cas: error: gc needs at least one rule (--keep-last N, --keep-milestones, --keep-every K, "
+              "--keep-best METRIC:min|max:N, --keep-within 2d, or --keep-all to only reclaim garbage); "
+              "refusing to delete every checkpoint", file=sys.stderr)
+        return EXIT_USAGE
+    progress = _TerminalProgress()
+    try:
+        report = store.gc(retention if retention.has_rules else None, dry_run=args.dry_run, progress=progress)
+    finally:
+        progress.close()
+    if args.json:
+        _emit_json(report.to_json())
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [(ck.step, f"kept     {ck.step:>10}  ({', '.join(rules)})") for ck, rules in report.kept]
+    lines += [(ck.step, f"{'remove?' if args.dry_run else 'removed':8} {ck.step:>10}") for ck in report.removed]
+    for _, line in sorted(lines):
+        print(line)
+    print(f"{'would free' if args.dry_run else 'freed'} {human(report.freed_bytes)} in {report.objects_swept} objects; "
+          f"{len(report.kept)} checkpoints kept, {len(report.removed)} {verb}"
+          + (" (dry run: nothing changed)" if args.dry_run else ""))
+    return EXIT_OK
+
+
+def _add_gc(p) -> None:
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest checkpoints")
+    p.add_argument("--keep-milestones", action="store_true", help="keep every milestone")
+    p.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
+    p.add_argument("--keep-best", metavar="METRIC:min|max:N", help="keep the N best by a metric")
+    p.add_argument("--keep-within", metavar="DURATION", help="keep those created within e.g. 12h, 2d, 1w")
+    p.add_argument("--keep-all", action="store_true", help="remove no checkpoint; only reclaim garbage")
+    p.add_argument("--dry-run", action="store_true", help="change nothing; report what would happen")
+    p.add_argument("--json", action="store_true")
 
 
 @command("milestone", "mark a checkpoint as a milestone (or --unset)")
@@ -167,7 +239,7 @@ def _add_milestone(p) -> None:
 
 
 ARGUMENTS = {"ls": _add_ls, "show": _add_show, "verify": _add_verify, "du": _add_du, "rm": _add_step,
-             "milestone": _add_milestone}
+             "milestone": _add_milestone, "pin": _add_step, "unpin": _add_step, "gc": _add_gc}
 READ_ONLY = {"ls", "show", "verify", "du"}
 
 
@@ -187,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = args.store or os.environ.get("CAS_STORE") or os.getcwd()
     try:
-        from .store import Store
+        from .api import Store
 
         with Store(path, create=False, readonly=args.command in READ_ONLY) as store:
             return COMMANDS[args.command](store, args)

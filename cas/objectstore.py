@@ -20,6 +20,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header
 from .errors import StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_INLINE, Index, ObjectRecord
@@ -120,6 +121,7 @@ class WriteSession:
         `finish(txn)` and end the lease. If `finish` raises, nothing of it is committed."""
         self._check_open()
         self.store.files.sync()
+        faults.point("commit.synced")
         with self.index.write() as txn:
             self._flush_inline(txn)
             for key, rec in self._written.items():

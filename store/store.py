@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cas import faults
 from cas.codecs import CodecPolicy
 from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, StoreClosedError
 from cas.hashing import hash_bytes
@@ -114,8 +115,10 @@ class Store:
             raise exists_error(step)
         skeleton, leaves = plan(state, chunk_size=self.chunk_size)
         created = time.time()
+        faults.point("save.planned")
         with self.objects.session(f"save step {step}") as session:
             pipeline.write_tensors(session, leaves, self._pool, self.window_bytes)
+            faults.point("save.chunks_written")
             root, nodes = encode_nodes(skeleton)
             logical = sum(leaf.nbytes for leaf in leaves)
             commit = commit_node(step=step, created=created, milestone=milestone, metrics=metrics,
@@ -123,6 +126,7 @@ class Store:
             commit_key = hash_bytes(commit)
             nodes[commit_key] = commit
             pipeline.write_blobs(session, nodes, self._pool)
+            faults.point("save.nodes_written")
 
             def finish(txn) -> Checkpoint:
                 ck = Checkpoint(step=step, id=commit_key.hex(),
@@ -132,7 +136,13 @@ class Store:
                 self.registry.add(txn, ck)
                 return ck
 
-            return session.commit(finish)
+            ck = session.commit(finish)
+        faults.point("save.committed")
+        self._after_commit(ck)
+        return ck
+
+    def _after_commit(self, ck: Checkpoint) -> None:
+        """Called after every committed save; the public store applies retention here."""
 
     # --- load ---------------------------------------------------------------------------
     def load(self, step: int | None = None, *, keys=None, device: str | torch.device | None = None):
@@ -212,14 +222,27 @@ class Store:
 
     def delete(self, step: int) -> None:
         """Forget a checkpoint. Its objects stay until gc finds them unreferenced."""
+        self.forget([step])
+
+    def forget(self, steps) -> list[Checkpoint]:
+        """Remove checkpoints from the registry in one transaction; pinned ones are refused."""
         self._check_open()
         with self.index.write() as txn:
-            self.registry.require(txn, step)
-            self.registry.remove(txn, step)
+            gone = [self.registry.require(txn, step) for step in steps]
+            pinned = [ck.step for ck in gone if ck.pinned]
+            if pinned:
+                raise CasError(f"checkpoint(s) {pinned} are pinned (a legal hold); unpin them first")
+            for ck in gone:
+                self.registry.remove(txn, ck.step)
             self.index.bump_generation(txn)
+        return gone
 
     def set_milestone(self, step: int, flag: bool = True) -> Checkpoint:
         return self._update(step, milestone=bool(flag))
+
+    def set_pinned(self, step: int, flag: bool = True) -> Checkpoint:
+        """A pinned checkpoint cannot be deleted, by hand or by any retention rule."""
+        return self._update(step, pinned=bool(flag))
 
     def _update(self, step: int, **changes) -> Checkpoint:
         self._check_open()

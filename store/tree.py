@@ -219,6 +219,15 @@ def _check_tensor_node(node: dict, name: str) -> None:
     node["nbytes"] = nbytes
 
 
+def node_children(node: dict) -> tuple[list[bytes], list[bytes]]:
+    """(child node keys, chunk keys) that a parsed node references: the edges gc marks along."""
+    if node["k"] == "tensor":
+        return [], list(node["chunks"])
+    refs: list[bytes] = []
+    walk_value(node["tree"] if node["k"] == "commit" else node["v"], lambda r, _: refs.append(r.key))
+    return refs, []
+
+
 def chunk_spans(nbytes: int, chunk: int) -> Iterator[tuple[int, int]]:
     """(start, end) byte offsets of each chunk of a tensor."""
     for start in range(0, nbytes, chunk):

@@ -1,0 +1,210 @@
+"""Forget, then mark and sweep.
+
+1. Forget: the checkpoints retention removes leave the registry in one LMDB transaction.
+2. Mark: walk every live root (committed checkpoints) through manifest nodes to chunk keys,
+   visiting a shared subtree once. Objects held by in-flight writers (their leases' holds)
+   are live too.
+3. Sweep, in batches, each in one write transaction that first re-checks the commit
+   generation (a checkpoint committed since the mark is marked before anything is deleted)
+   and the holds (a writer that claimed an object since the mark keeps it), then deletes the
+   index records and unlinks the files of the batch while holding LMDB's writer lock, so no
+   writer can claim one of them half-way. A crash inside a batch leaves index records whose
+   files are gone: writers check a file exists before reusing it, and the next gc drops them.
+See docs/architecture.md, "Garbage collection and concurrent saves".
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cas import faults
+from cas.errors import CasError, CorruptionError
+from cas.index import WHERE_FILE
+from cas.store.registry import Checkpoint
+from cas.store.tree import node_children, parse_node
+
+from .retention import Retention
+
+SWEEP_BATCH = 512
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class GcReport:
+    removed: list[Checkpoint] = field(default_factory=list)
+    kept: list[tuple[Checkpoint, list[str]]] = field(default_factory=list)
+    freed_bytes: int = 0
+    objects_swept: int = 0
+    live_objects: int = 0
+    dry_run: bool = False
+    leases_reaped: int = 0
+    mark_seconds: float = 0.0
+    sweep_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"dry_run": self.dry_run,
+                "removed": [ck.to_json() for ck in self.removed],
+                "kept": [dict(ck.to_json(), rules=rules) for ck, rules in self.kept],
+                "freed_bytes": self.freed_bytes, "objects_swept": self.objects_swept,
+                "live_objects": self.live_objects, "leases_reaped": self.leases_reaped,
+                "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
+
+
+class _Retry(Exception):
+    """The registry changed under a sweep batch: mark the new roots, then try the batch again."""
+
+
+class Marker:
+    """The live set: every object reachable from the roots marked so far."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.live: set[bytes] = set()
+        self.roots: set[bytes] = set()
+
+    def mark(self, roots, progress: Progress | None = None) -> None:
+        stack = [r for r in roots if r not in self.live]
+        self.roots.update(roots)
+        while stack:
+            key = stack.pop()
+            if key in self.live:
+                continue
+            try:
+                node = parse_node(self.store.objects.get(key).tobytes(), key)
+            except CorruptionError as exc:
+                raise CasError(f"gc stopped before deleting anything of this pass: a manifest node is unreadable "
+                               f"({exc}); run `cas verify` to see which checkpoints are damaged") from None
+            self.live.add(key)
+            refs, chunks = node_children(node)
+            self.live.update(chunks)
+            stack.extend(r for r in refs if r not in self.live)
+            if progress and len(self.live) % 4096 < len(chunks) + 1:
+                progress("mark", len(self.live), 0)
+
+
+def collect(store, retention: Retention | None, *, dry_run: bool = False,
+            progress: Progress | None = None) -> GcReport:
+    """Apply `retention` (None: remove nothing, only sweep garbage), then sweep."""
+    report = GcReport(dry_run=dry_run)
+    cks = store.checkpoints()
+    decisions = retention.decide(cks) if retention is not None else {ck.step: ["kept"] for ck in cks}
+    report.kept = [(ck, decisions[ck.step]) for ck in cks if decisions[ck.step]]
+    report.removed = [ck for ck in cks if not decisions[ck.step]]
+    if report.removed and not dry_run:
+        store.forget([ck.step for ck in report.removed])
+    faults.point("gc.forgotten")
+    removed_keys = {ck.key for ck in report.removed} if dry_run else set()
+    sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress)
+    return report
+
+
+def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = frozenset(),
+          progress: Progress | None = None) -> None:
+    """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest."""
+    index, files = store.index, store.objects.files
+    if not dry_run:
+        report.leases_reaped = reap_dead_leases(store)
+    t0 = time.perf_counter()
+    with index.read() as txn:
+        generation = index.generation(txn)
+        roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
+        held = index.held_keys(txn)
+        records = dict(index.iter_records(txn))
+    marker = Marker(store)
+    marker.mark(roots, progress)
+    on_disk = set(files.iterate())
+    report.mark_seconds = time.perf_counter() - t0
+    report.live_objects = len(marker.live)
+    faults.point("gc.marked")
+
+    t0 = time.perf_counter()
+    candidates = [k for k in records if k not in marker.live and k not in held]
+    orphans = [k for k in on_disk - records.keys() if k not in marker.live and k not in held]
+    if dry_run:
+        report.freed_bytes = sum(records[k].stored_size for k in candidates) + sum(files.has(k) or 0 for k in orphans)
+        report.objects_swept = len(candidates) + len(orphans)
+        report.sweep_seconds = time.perf_counter() - t0
+        return
+    todo = candidates + orphans
+    done = 0
+    while done < len(todo):
+        batch = todo[done:done + SWEEP_BATCH]
+        try:
+            with index.write() as txn:
+                now = index.generation(txn)
+                if now != generation:
+                    new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
+                    raise _Retry(now, new_roots)
+                held = index.held_keys(txn)
+                for key in batch:
+                    if key in marker.live or key in held:
+                        continue
+                    report.freed_bytes += _delete(store, txn, key)
+                    report.objects_swept += 1
+                faults.point("gc.sweep_batch")
+        except _Retry as retry:
+            generation, new_roots = retry.args
+            marker.mark(new_roots, progress)
+            continue
+        done += len(batch)
+        if progress:
+            progress("sweep", done, len(todo))
+    files.sync()
+    clean_tmp(store)
+    report.sweep_seconds = time.perf_counter() - t0
+
+
+def _delete(store, txn, key: bytes) -> int:
+    """Drop one object's record and bytes inside the sweep's write transaction."""
+    index, files = store.index, store.objects.files
+    rec = index.record(txn, key)
+    size = files.has(key) or 0
+    if rec is not None:
+        txn.delete(key, db=index.db("objects"))
+        if rec.where != WHERE_FILE:
+            txn.delete(key, db=index.db("inline"))
+            return rec.stored_size
+    files.delete(key)
+    return rec.stored_size if rec is not None and size else size
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_dead_leases(store) -> int:
+    """End the leases of writers on this host whose process is gone (a crashed save). Leases of
+    other hosts are left alone: their holds only delay reclaiming, never lose data."""
+    host = socket.gethostname()
+    with store.index.read() as txn:
+        leases = store.index.leases(txn)
+    dead = [lid for lid, info in leases.items()
+            if info.get("host") == host and isinstance(info.get("pid"), int) and not _pid_alive(info["pid"])]
+    if dead:
+        with store.index.write() as txn:
+            for lid in dead:
+                store.index.end_lease(txn, lid)
+    return len(dead)
+
+
+def clean_tmp(store) -> None:
+    """Remove temporary files that writers on this host left when they died."""
+    tmp = store.layout.tmp
+    for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
+        parts = name.split(".")
+        pid = parts[-4] if len(parts) >= 5 and name.endswith(".tmp") else ""
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(tmp, name))
+            except FileNotFoundError:
+                pass
