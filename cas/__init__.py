@@ -17,6 +17,7 @@ from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, C
 from .api import Store
 from .gc import GcReport, Retention
 from .store import Checkpoint, StoreStats, VerifyReport
+from .store.training import ResumableRandomSampler, RNGState
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,6 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
     return Store(path, **options)
 
 
-__all__ = ["Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
+__all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "StoreClosedError", "open"]

@@ -18,10 +18,17 @@ import time
 
 from .errors import CasError
 
-_spec = os.environ.get("CAS_FAULTS", "")
-_rules: dict[str, str] = dict(item.split("=", 1) for item in _spec.split(",") if "=" in item)
+_rules: dict[str, str] = {}
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
+
+
+def configure(spec: str) -> None:
+    """Replace the active rules (the CAS_FAULTS syntax); "" turns every point off."""
+    with _lock:
+        _rules.clear()
+        _rules.update(item.split("=", 1) for item in spec.split(",") if "=" in item)
+        _counts.clear()
 
 
 class InjectedFault(CasError):
@@ -51,3 +58,6 @@ def point(name: str) -> None:
         deadline = time.monotonic() + 120
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+configure(os.environ.get("CAS_FAULTS", ""))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime as _dt
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,11 +25,45 @@ from . import layout as L
 from . import pipeline, tensors
 from .registry import TABLE as REGISTRY_TABLE
 from .registry import Checkpoint, Registry, exists_error, step_key
+from .staging import StagingArena
+from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
 from .values import pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
+
+
+class SaveFuture(concurrent.futures.Future):
+    """The result of save_async: result() gives the Checkpoint or raises the save's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._observed = False
+
+    def result(self, timeout=None):
+        self._observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._observed = True
+        return super().exception(timeout)
+
+    def unobserved_exception(self) -> BaseException | None:
+        if self._observed or not self.done():
+            return None
+        return super().exception()
+
+
+@dataclass(frozen=True)
+class _SaveJob:
+    step: int
+    milestone: bool
+    metrics: dict
+    meta: dict
+    skeleton: object
+    leaves: list
+    created: float
 
 
 @dataclass(frozen=True)
@@ -50,7 +84,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
                  chunk_size: int | None = None, compress: bool = True, compression_level: int = 1,
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 inline_max: int = DEFAULT_INLINE_MAX) -> None:
+                 inline_max: int = DEFAULT_INLINE_MAX, max_inflight: int = 1) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -70,8 +104,12 @@ class Store:
         self.window_bytes = window_bytes
         self._workers = workers or os.cpu_count() or 2
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
+        self.max_inflight = max_inflight
+        self._inflight: list[SaveFuture] = []
+        self._inflight_steps: set[int] = set()
+        self._arenas: list[StagingArena] = []
         self._closed = False
-        self._lock = threading.Lock()
 
     def _create(self, chunk_size: int) -> None:
         L.check_chunk_size(chunk_size)
@@ -83,11 +121,19 @@ class Store:
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
+        """Wait for in-flight saves, then release everything; a background failure nobody
+        looked at is raised here."""
         if self._closed:
             return
-        self._closed = True
-        self._pool.shutdown(wait=True)
-        self.index.close()
+        concurrent.futures.wait(list(self._inflight))
+        try:
+            self._raise_unobserved()
+        finally:
+            self._closed = True
+            self._background.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            self.index.close()
+            self._arenas.clear()
 
     def __enter__(self) -> "Store":
         return self
@@ -106,32 +152,83 @@ class Store:
     def save(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
              meta: dict | None = None) -> Checkpoint:
         """Save `state` as checkpoint `step`. Nothing is visible until the commit, which happens
-        only after every object it references is durable."""
+        only after every object it references is durable. Values with state_dict() and
+        load_state_dict() (modules, optimizers, ...) are saved as their state dicts."""
+        self._raise_unobserved()
+        return self._write(self._prepare(state, step, milestone, metrics, meta))
+
+    def save_async(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
+                   meta: dict | None = None) -> "SaveFuture":
+        """Snapshot `state` into host memory and return; hash, encode, write and commit in the
+        background. The caller may change the state as soon as this returns. With the default
+        max_inflight=1, a second call first waits for the previous save to finish."""
+        self._raise_unobserved()
+        while len(self._inflight) >= self.max_inflight:
+            concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._raise_unobserved()
+        job = self._prepare(state, step, milestone, metrics, meta)
+        arena = self._arenas.pop() if self._arenas else StagingArena()
+        arena.stage(job.leaves)
+        faults.point("save.staged")
+        future = SaveFuture()
+        self._inflight.append(future)
+        self._inflight_steps.add(step)
+
+        def run() -> None:
+            try:
+                future.set_result(self._write(job))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(exc)
+            finally:
+                for leaf in job.leaves:
+                    leaf.staged = None
+                self._arenas.append(arena)
+                self._inflight_steps.discard(step)
+
+        self._background.submit(run)
+        return future
+
+    def wait(self) -> None:
+        """Block until every in-flight save is done; raise a failure nobody has looked at."""
+        concurrent.futures.wait(list(self._inflight))
+        self._raise_unobserved()
+
+    def _raise_unobserved(self) -> None:
+        self._check_open()
+        for future in [f for f in self._inflight if f.done()]:
+            self._inflight.remove(future)
+            if future.unobserved_exception() is not None:
+                raise future.exception()
+
+    def _prepare(self, state, step, milestone, metrics, meta) -> "_SaveJob":
+        """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
         step_key(step)  # type-checks the step before any work
         metrics = _checked_metrics(metrics)
         meta = _checked_meta(meta)
-        if self.exists(step):
+        if step in self._inflight_steps or self.exists(step):
             raise exists_error(step)
-        skeleton, leaves = plan(state, chunk_size=self.chunk_size)
-        created = time.time()
+        skeleton, leaves = plan(resolve_stateful(state), chunk_size=self.chunk_size)
         faults.point("save.planned")
-        with self.objects.session(f"save step {step}") as session:
-            pipeline.write_tensors(session, leaves, self._pool, self.window_bytes)
+        return _SaveJob(step, bool(milestone), metrics, meta, skeleton, leaves, time.time())
+
+    def _write(self, job: "_SaveJob") -> Checkpoint:
+        with self.objects.session(f"save step {job.step}") as session:
+            pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes)
             faults.point("save.chunks_written")
-            root, nodes = encode_nodes(skeleton)
-            logical = sum(leaf.nbytes for leaf in leaves)
-            commit = commit_node(step=step, created=created, milestone=milestone, metrics=metrics,
-                                 meta=meta, tree=root, logical_bytes=logical)
+            root, nodes = encode_nodes(job.skeleton)
+            logical = sum(leaf.nbytes for leaf in job.leaves)
+            commit = commit_node(step=job.step, created=job.created, milestone=job.milestone, metrics=job.metrics,
+                                 meta=job.meta, tree=root, logical_bytes=logical)
             commit_key = hash_bytes(commit)
             nodes[commit_key] = commit
             pipeline.write_blobs(session, nodes, self._pool)
             faults.point("save.nodes_written")
 
             def finish(txn) -> Checkpoint:
-                ck = Checkpoint(step=step, id=commit_key.hex(),
-                                created=_dt.datetime.fromtimestamp(created, _dt.timezone.utc),
-                                milestone=milestone, metrics=metrics, meta=meta,
+                ck = Checkpoint(step=job.step, id=commit_key.hex(),
+                                created=_dt.datetime.fromtimestamp(job.created, _dt.timezone.utc),
+                                milestone=job.milestone, metrics=job.metrics, meta=job.meta,
                                 logical_bytes=logical, new_bytes=session.new_bytes)
                 self.registry.add(txn, ck)
                 return ck
@@ -150,32 +247,65 @@ class Store:
         top-level entries are read. Every byte is checked against its hash."""
         self._check_open()
         ck = self._resolve(step)
-        root = self._node(ck.key, ck.step)["tree"]
-        tree = self._node(root.key, ck.step)
-        value = tree["v"] if tree["k"] == "value" else root
-        if keys is not None:
-            value = _select(value, keys, ck.step)
-        jobs: list = []
-        state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs))
-        try:
-            pipeline.read_tensor_chunks(self.objects, jobs, self._pool, window=4 * self._workers)
-        except CorruptionError as exc:
-            raise exc.located(step=ck.step) from None
+        state = self._load(ck, keys, {})
         if device is not None:
             target = torch.device(device)
             state = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
         return state
 
-    def _materialize(self, ref: Ref, path: str, step: int, jobs: list):
+    def restore(self, targets: dict, *, step: int | None = None) -> dict:
+        """Restore stateful objects in place (model, optimizer, scheduler, scaler, sampler,
+        cas.RNGState, ...) from a checkpoint (the latest when `step` is None).
+
+        Returns the checkpoint's top-level entries, with each stateful target in place of its
+        state dict. Tensors are decoded straight into the targets' own tensors where dtype and
+        shape match, so no second full copy of a model is held."""
+        self._check_open()
+        if not isinstance(targets, dict):
+            raise TypeError("restore takes a dict of targets, like the state that was saved")
+        ck = self._resolve(step)
+        top = self._top_value(ck)
+        missing = [k for k in targets if not isinstance(top, dict) or k not in top]
+        if missing:
+            have = list(top) if isinstance(top, dict) else []
+            raise CheckpointNotFoundError(f"checkpoint step {ck.step} has no entries {missing} to restore "
+                                          f"into (it has {have})")
+        into: dict[str, torch.Tensor] = {}
+        for key, target in targets.items():
+            if is_stateful(target):
+                walk_value(target.state_dict(), lambda t, p: into.setdefault(p, t), path=str(key),
+                           match=torch.Tensor)
+        loaded = self._load(ck, None, into)
+        for key, target in targets.items():
+            if is_stateful(target):
+                target.load_state_dict(loaded[key])
+                loaded[key] = target
+        return loaded
+
+    def _top_value(self, ck: Checkpoint):
+        root = self._node(ck.key, ck.step)["tree"]
+        tree = self._node(root.key, ck.step)
+        return tree["v"] if tree["k"] == "value" else root
+
+    def _load(self, ck: Checkpoint, keys, into: dict):
+        value = self._top_value(ck)
+        if keys is not None:
+            value = _select(value, keys, ck.step)
+        jobs: list = []
+        state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, into))
+        try:
+            pipeline.read_tensor_chunks(self.objects, jobs, self._pool, window=4 * self._workers)
+        except CorruptionError as exc:
+            raise exc.located(step=ck.step) from None
+        return state
+
+    def _materialize(self, ref: Ref, path: str, step: int, jobs: list, into: dict):
         node = self._node(ref.key, step, path)
         if node["k"] == "value":
-            return walk_value(node["v"], lambda r, p: self._materialize(r, p, step, jobs), path)
+            return walk_value(node["v"], lambda r, p: self._materialize(r, p, step, jobs, into), path)
         if node["k"] != "tensor":
             raise CorruptionError("a commit node appears inside a state tree", key=ref.key.hex(), step=step, path=path)
-        if node["lib"] == "torch":
-            out, view = tensors.empty_torch(node["dtype"], node["shape"])
-        else:
-            out, view = tensors.empty_numpy(node["dtype"], node["shape"])
+        out, view = tensors.output_for(node, into.get(path))
         for key, (start, end) in zip(node["chunks"], pipeline.chunk_spans(node["nbytes"], node["chunk"])):
             jobs.append((path, key, view[start:end]))
         return out

@@ -72,8 +72,17 @@ def torch_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
+    return flat_bytes(t.contiguous()).numpy()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor sharing its memory."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if flat.stride(0) != 1:  # one element with an odd stride still counts as contiguous
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def numpy_bytes(a: np.ndarray) -> np.ndarray:
@@ -83,8 +92,7 @@ def numpy_bytes(a: np.ndarray) -> np.ndarray:
 def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """A fresh CPU tensor and a writable uint8 view of its bytes."""
     t = torch.empty(shape, dtype=torch_dtype(dtype_name))
-    view = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
-    return t, view
+    return t, flat_bytes(t).numpy()
 
 
 def empty_numpy(dtype_str: str, shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -103,3 +111,16 @@ def element_size(lib: str, dtype_name: str) -> int:
     if lib == "torch":
         return torch.empty((), dtype=torch_dtype(dtype_name)).element_size()
     return numpy_dtype(dtype_name).itemsize
+
+
+def output_for(node: dict, dest=None) -> tuple[object, np.ndarray]:
+    """Where a loaded tensor's bytes go: `dest` itself when it is a CPU tensor of the node's
+    dtype and shape laid out contiguously (restore into an existing model), else a new one."""
+    if node["lib"] == "numpy":
+        return empty_numpy(node["dtype"], node["shape"])
+    dtype = torch_dtype(node["dtype"])
+    if (isinstance(dest, torch.Tensor) and dest.device.type == "cpu" and dest.dtype == dtype
+            and list(dest.shape) == node["shape"] and dest.is_contiguous() and dest.numel()
+            and not dest.is_conj() and not dest.is_neg()):
+        return dest, flat_bytes(dest).numpy()
+    return empty_torch(node["dtype"], node["shape"])

@@ -42,9 +42,12 @@ class TensorLeaf:
     source: object  # the tensor or array itself
     chunk_size: int = 0
     chunks: list = field(default_factory=list)
+    staged: np.ndarray | None = None  # a host snapshot of the bytes, for asynchronous saves
 
     def bytes_view(self) -> np.ndarray:
         """Flat uint8 view of the values (one copy for CUDA, non-contiguous or lazy tensors)."""
+        if self.staged is not None:
+            return self.staged
         if self.lib == "torch":
             return T.torch_bytes(self.source)
         return T.numpy_bytes(self.source)
@@ -94,7 +97,7 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
                 items.append((k, walk(v, path_join(path, k), depth + 1)))
             out = kind(items)
             if kind is OrderedDict and hasattr(value, "_metadata"):
-                out._metadata = _checked_metadata(value._metadata, path)
+                out._metadata = _copied_metadata(value._metadata, path)
             return _wrap(out, (v for _, v in items))
         if kind in (list, tuple):
             out = kind(walk(v, path_join(path, i), depth + 1) for i, v in enumerate(value))
@@ -129,12 +132,13 @@ def _wrap(container, children) -> object:
     return _Container(container) if holds else container
 
 
-def _checked_metadata(meta, path: str):
+def _copied_metadata(meta, path: str):
+    """A state dict's `_metadata` (module versions), checked and copied so that an asynchronous
+    save does not see later changes."""
     try:
-        pack(meta)
-    except (TypeError, ValueError, OverflowError):
+        return unpack(pack(meta))
+    except (TypeError, ValueError, OverflowError, CorruptionError):
         raise TypeError(f"cannot store the _metadata of the state dict at {path or '<root>'!r}") from None
-    return meta
 
 
 def encode_nodes(skeleton) -> tuple[Ref, dict[bytes, bytes]]:

@@ -10,8 +10,8 @@ import torch
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach().cpu())  # standard strides
+    return fresh.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def assert_same(a, b, path: str = "<root>") -> None:

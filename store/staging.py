@@ -1,0 +1,58 @@
+"""Host staging for asynchronous saves: a consistent snapshot of every tensor's bytes.
+
+`save_async` returns as soon as every tensor is copied here; hashing, encoding and writing then
+run on these bytes while training goes on. The arena is one reusable byte buffer (pinned when
+CUDA is present, so device-to-host copies are non-blocking DMA), grown when a state outgrows
+it and reused from one save to the next: fresh large allocations are slow, and pinning is
+slower still. Memory: one arena of the state's tensor bytes per save in flight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .tensors import flat_bytes
+from .tree import TensorLeaf
+
+ALIGN = 64
+
+
+class StagingArena:
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def _reserve(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # release the old one before allocating the larger one
+            pin = torch.cuda.is_available()
+            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        return self._buffer
+
+    def stage(self, leaves: list[TensorLeaf]) -> None:
+        """Copy every leaf's bytes into the arena and point the leaf at its copy."""
+        offsets, total = [], 0
+        for leaf in leaves:
+            offsets.append(total)
+            total += -(-leaf.nbytes // ALIGN) * ALIGN
+        arena = self._reserve(total)
+        cuda = False
+        for leaf, offset in zip(leaves, offsets):
+            dst = arena[offset:offset + leaf.nbytes]
+            src = leaf.source
+            if leaf.lib == "torch" and src.device.type == "cuda" and src.is_contiguous() \
+                    and not src.is_conj() and not src.is_neg():
+                cuda = True
+                dst.copy_(flat_bytes(src), non_blocking=True)
+            elif leaf.nbytes:
+                dst.copy_(torch.from_numpy(leaf.bytes_view()))  # a view of CPU tensors, else one copy
+            leaf.staged = dst.numpy() if leaf.nbytes else np.empty(0, dtype=np.uint8)
+        if cuda:
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        self._buffer = None

@@ -1,0 +1,142 @@
+"""save_async: a consistent snapshot, back-pressure, errors that are never lost; restore in place."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import assert_same, tiny_model, train_tiny
+
+import cas
+from cas import faults
+
+
+@pytest.fixture
+def injected():
+    yield faults.configure
+    faults.configure("")
+
+
+def test_state_changed_right_after_save_async_returns_is_not_what_is_saved(store):
+    big = torch.randn(512, 1024)
+    original = big.clone()
+    future = store.save_async({"w": big, "n": 1}, step=1)
+    big.add_(1.0)  # training goes on and changes the weights at once
+    ck = future.result()
+    assert ck.step == 1 and ck.logical_bytes == big.numel() * 4
+    assert torch.equal(store.load(1)["w"], original)
+
+
+def test_back_pressure_one_save_in_flight(store):
+    first = store.save_async({"w": torch.randn(256, 1024)}, step=1)
+    second = store.save_async({"w": torch.randn(256, 1024)}, step=2)
+    assert first.done()  # the second call waited for the first
+    store.wait()
+    assert second.done() and [ck.step for ck in store.checkpoints()] == [1, 2]
+
+
+def test_an_in_flight_step_cannot_be_saved_twice(store):
+    store.max_inflight = 2
+    store.save_async({"w": torch.randn(64, 1024)}, step=1)
+    with pytest.raises(cas.CheckpointExistsError):
+        store.save_async({"w": torch.randn(4)}, step=1)
+    store.wait()
+
+
+def test_validation_errors_are_raised_by_the_call_itself(store):
+    with pytest.raises(TypeError, match="'bad'"):
+        store.save_async({"bad": object()}, step=1)
+    store.wait()
+    assert store.checkpoints() == []
+
+
+def test_background_error_raised_by_result(store, injected):
+    injected("save.chunks_written=raise")
+    future = store.save_async({"w": torch.randn(64, 1024)}, step=1)
+    with pytest.raises(faults.InjectedFault):
+        future.result()
+    injected("")
+    assert store.checkpoints() == []
+    store.save({"w": torch.ones(3)}, step=2)  # observed: the next save is not blocked by it
+
+
+def test_unobserved_background_error_is_raised_by_the_next_save(store, injected):
+    injected("save.nodes_written=raise")
+    future = store.save_async({"w": torch.randn(64, 1024)}, step=1)
+    concurrent.futures.wait([future])  # done, but nobody asked for its result
+    injected("")
+    with pytest.raises(faults.InjectedFault):
+        store.save({"w": torch.ones(3)}, step=2)
+    store.save({"w": torch.ones(3)}, step=2)  # raised once, then cleared
+    assert [ck.step for ck in store.checkpoints()] == [2]
+
+
+def test_unobserved_background_error_is_raised_by_close(store_path, injected):
+    store = cas.open(store_path)
+    injected("commit.synced=raise")
+    store.save_async({"w": torch.randn(64, 1024)}, step=1)
+    with pytest.raises(faults.InjectedFault):
+        store.close()
+    injected("")
+    with cas.open(store_path) as again:
+        assert again.checkpoints() == []
+
+
+def test_crash_during_async_save_leaves_earlier_checkpoints_and_hides_the_partial_one(store_path):
+    script = textwrap.dedent(f"""
+        import torch, cas
+        with cas.open({str(store_path)!r}) as s:
+            s.save({{"w": torch.arange(10.0)}}, step=1)
+            s.save_async({{"w": torch.randn(256, 1024)}}, step=2)
+            s.wait()
+    """)
+    env = dict(os.environ, CAS_FAULTS="save.nodes_written=kill@2")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert out.returncode == -9
+    with cas.open(store_path) as s:
+        assert [ck.step for ck in s.checkpoints()] == [1]
+        assert torch.equal(s.load(1)["w"], torch.arange(10.0))
+        assert s.verify().ok
+
+
+def test_restore_in_place_and_plain_values(store):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_tiny(model, opt, 3, seed=0)
+    rng = cas.RNGState()
+    store.save({"model": model, "optimizer": opt, "rng": rng, "step": 3, "note": "hi"}, step=3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    draw = torch.rand(3)
+
+    fresh = tiny_model(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    pointers = {k: v.data_ptr() for k, v in fresh.state_dict().items()}
+    loaded = store.restore({"model": fresh, "optimizer": fresh_opt, "rng": cas.RNGState()})
+    assert loaded["step"] == 3 and loaded["note"] == "hi" and loaded["model"] is fresh
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, expected[k]) and v.data_ptr() == pointers[k]  # decoded in place
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    assert torch.equal(torch.rand(3), draw)  # the RNG was rewound to the save
+
+
+def test_restore_target_missing_from_checkpoint_is_named(store):
+    store.save({"model": tiny_model()}, step=1)
+    with pytest.raises(cas.CheckpointNotFoundError, match=r"\['scheduler'\]"):
+        store.restore({"model": tiny_model(), "scheduler": torch.optim.lr_scheduler.StepLR(
+            torch.optim.SGD(tiny_model().parameters(), lr=0.1), 1)})
+
+
+def test_sampler_resumes_mid_epoch():
+    s = cas.ResumableRandomSampler(10, seed=1)
+    it = iter(s)
+    head = [next(it) for _ in range(4)]
+    state = s.state_dict()
+    rest = list(it)
+    other = cas.ResumableRandomSampler(10, seed=1)
+    other.load_state_dict(state)
+    assert list(other) == rest and sorted(head + rest) == list(range(10))
