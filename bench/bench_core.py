@@ -53,6 +53,7 @@ import cas  # noqa: E402
 from cas.codecs import CodecPolicy  # noqa: E402
 from cas.fsutil import atomic_write, fsync_dir, write_parts  # noqa: E402
 from cas.hashing import hash_bytes  # noqa: E402
+from cas.objectstore import DEFAULT_INLINE_MAX  # noqa: E402
 from cas.store.tree import chunk_spans, plan  # noqa: E402
 
 MiB = 1 << 20
@@ -165,9 +166,12 @@ def tensor_bytes(state) -> int:
 def same_tensors(a, b) -> bool:
     """Bit-for-bit equality of the tensors two states hold, path by path."""
     ta, tb = dict(iter_tensors(a)), dict(iter_tensors(b))
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
     return ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
-        and torch.equal(ta[k].view(torch.uint8) if ta[k].dim() else ta[k], tb[k].view(torch.uint8) if tb[k].dim() else tb[k])
+        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and torch.equal(raw(ta[k]), raw(tb[k]))
         for k in ta)
 
 
@@ -176,7 +180,6 @@ class Mutator:
     and to their AdamW moments, as a fine-tune with a frozen backbone would change them."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, fraction: float) -> None:
-        index = {id(p): i for i, p in enumerate(opt.param_groups[0]["params"])}
         total = sum(p.numel() for p in model.parameters())
         chosen, count = [], 0
         blocks = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks.")]
@@ -185,7 +188,6 @@ class Mutator:
                 break
             chosen.append((name, p, opt.state[p]))
             count += p.numel()
-        assert all(id(p) in index for _, p, _ in chosen)
         self.targets = chosen
         self.fraction = count / total
         self.names = [n for n, _, _ in chosen]
@@ -456,6 +458,10 @@ def encoded_chunks(state, chunk_size: int) -> list[tuple]:
     return out
 
 
+def size(parts) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
 def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: Row) -> list[Row]:
     """Where the default-codec save's time goes: each stage alone, on the same chunks."""
     chunks = encoded_chunks(state, DEFAULT_CHUNK)
@@ -473,10 +479,12 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
             remove(folder)
             os.makedirs(folder)
 
-        def write_files(_):
-            names = [os.path.join(folder, f"{i:06d}") for i in range(len(encoded))]
-            list(pool.map(lambda a: atomic_write(a[0], a[1], tmp_dir=folder), zip(names, encoded)))
+        def write_files(_):  # as cas does: only objects larger than inline_max become files
+            big = [parts for parts in encoded if size(parts) > DEFAULT_INLINE_MAX]
+            names = [os.path.join(folder, f"{i:06d}") for i in range(len(big))]
+            list(pool.map(lambda a: atomic_write(a[0], a[1], tmp_dir=folder), zip(names, big)))
             fsync_dir(folder)
+            return len(big)
 
         def write_one(_):
             with open(single, "wb") as f:
@@ -488,9 +496,9 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
         t_hash, _ = measure(hash_all, reps=s.reps, warmup=s.warmup)
         log("breakdown: bytegroup + zstd-1")
         t_enc, encoded = measure(encode_all, reps=s.reps, warmup=s.warmup)
-        stored = sum(memoryview(p).nbytes for parts in encoded for p in parts)
+        stored = sum(size(parts) for parts in encoded)
         log("breakdown: writes")
-        t_files, _ = measure(write_files, reps=s.reps, warmup=s.warmup, setup=fresh_folder)
+        t_files, nfiles = measure(write_files, reps=s.reps, warmup=s.warmup, setup=fresh_folder)
         t_one, _ = measure(write_one, reps=s.reps, warmup=s.warmup, setup=lambda: remove(single))
     remove(folder)
     remove(single)
@@ -499,13 +507,13 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
         timed_row(f"blake3 all chunks, {WORKERS}-thread pool", t_hash, nbytes),
         timed_row(f"bytegroup + zstd-1 all chunks, {WORKERS}-thread pool", t_enc, nbytes,
                   encoded_bytes=stored, size_pct=100 * stored / nbytes),
-        timed_row(f"write {len(chunks)} chunk files (tmp+fsync+rename, {WORKERS} threads)", t_files, nbytes),
-        timed_row("write the same bytes as 1 file + fsync", t_one, nbytes),
+        timed_row(f"write the {nfiles} chunks > 64 KiB as files (tmp+fsync+rename)", t_files, nbytes),
+        timed_row(f"write all {len(chunks)} encoded chunks as 1 file + fsync", t_one, nbytes),
     ]
     cpu = Timing([a + b for a, b in zip(t_hash.times, t_enc.times)])
     floor = Timing([a + b + c for a, b, c in zip(t_hash.times, t_enc.times, t_files.times)])
     rows.append(timed_row("CPU floor: hash + encode (no overlap)", cpu, nbytes))
-    rows.append(timed_row("sum: hash + encode + chunk files", floor, nbytes))
+    rows.append(timed_row("sum: hash + encode + chunk files (no overlap)", floor, nbytes))
     rows.append(Row(cas_save.name + " (section 1)", cas_save.t_min, cas_save.t_med, cas_save.gbps))
     for r in rows:
         r.time_ratio = r.t_min / cas_save.t_min
@@ -568,17 +576,18 @@ def section_incremental(state, scratch: str, mutator: Mutator, torch_file_bytes:
     return times, sizes, run
 
 
-def section_sweep(state, scratch: str, mutator: Mutator, torch_file_bytes: int) -> list[dict]:
-    """One repetition per chunk size: full save, cold load, bytes after the incremental chain."""
+def section_sweep(state, scratch: str, s: Settings, mutator: Mutator, torch_file_bytes: int) -> list[dict]:
+    """One repetition (after the warm-up) per chunk size: full save, cold load, and the bytes
+    and save times of an incremental chain."""
     nbytes = tensor_bytes(state)
     out = []
     for chunk in SWEEP_CHUNKS:
         log(f"sweep: chunk_size {chunk // MiB} MiB")
         fmt = CasFormat(state, compress=True, chunk_size=chunk)
         path = os.path.join(scratch, fmt.target)
-        save_t, _ = measure(fmt.save, reps=1, warmup=0, setup=lambda p=path, f=fmt: f.fresh(p), teardown=fmt.done)
+        save_t, _ = measure(fmt.save, reps=1, warmup=s.warmup, setup=lambda p=path, f=fmt: f.fresh(p), teardown=fmt.done)
         full_disk = du(path)
-        load_t, _ = measure(fmt.load, reps=1, warmup=0, setup=lambda p=path: drop_cache(p) or p)
+        load_t, _ = measure(fmt.load, reps=1, warmup=s.warmup, setup=lambda p=path: drop_cache(p) or p)
         run = incremental_chain(fmt, path, mutator, INCREMENTAL_SAVES)
         remove(path)
         total = (INCREMENTAL_SAVES + 1) * torch_file_bytes
@@ -621,8 +630,8 @@ def print_rows(title: str, rows: list[Row], ratio_note: str, timed: bool = True)
 
 
 def print_sweep(rows: list[dict]) -> None:
-    print(f"\n5. Chunk-size sweep, cas default codec (1 repetition each; "
-          f"bytes after base + {INCREMENTAL_SAVES} incremental saves)")
+    print(f"\n5. Chunk-size sweep, cas default codec (1 repetition each after the warm-up; cold load; "
+          f"incremental saves and bytes of base + {INCREMENTAL_SAVES} incremental saves)")
     print(f"  {'chunk':>6} {'full save':>10} {'GB/s':>6} {'on disk':>11} {'cold load':>10} {'GB/s':>6} "
           f"{'incr. min':>10} {'incr. med':>10} {'after chain':>12} {'vs torch':>9}")
     for r in rows:
@@ -696,9 +705,9 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     mutator = Mutator(model, opt, CHANGED_FRACTION)
     header = (f"cas core benchmark{' (--quick)' if args.quick else ''}: state {nbytes / GiB:.3f} GiB "
-              f"({nbytes / GB:.2f} GB) in {ntensors} tensors; GPT {params / 1e6:.1f} M params "
-              f"(vocab {s.vocab}, d {s.dim}, {s.layers} layers) + AdamW exp_avg/exp_avg_sq after "
-              f"{s.train_steps} steps; min and median of {s.reps} run(s) after {s.warmup} warm-up")
+              f"({nbytes / GB:.2f} GB) in {ntensors} tensors: GPT {params / 1e6:.1f} M params\n"
+              f"(vocab {s.vocab}, d {s.dim}, {s.layers} layers, fp32) + AdamW exp_avg/exp_avg_sq after "
+              f"{s.train_steps} steps. Min and median of {s.reps} run(s) after {s.warmup} warm-up.")
     print(header)
     print_targets()
 
@@ -724,7 +733,7 @@ def main() -> None:
                    "time ratio against torch.save + fsync of the same state, measured right after each cas save")
         print_rows(f"4. Stored bytes after {INCREMENTAL_SAVES} incremental saves", incr_sizes,
                    "bytes ratio: cas row against the torch row above it", timed=False)
-        sweep = section_sweep(state, scratch, mutator, saves[0].disk_bytes)
+        sweep = section_sweep(state, scratch, s, mutator, saves[0].disk_bytes)
         print_sweep(sweep)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -734,7 +743,8 @@ def main() -> None:
     wall = time.perf_counter() - started
     meta.update(loadavg_end=os.getloadavg(), wall_s=wall, build_s=build_s)
     print(f"\nwall time {wall:.0f} s (model build + 2 AdamW steps {build_s:.1f} s); "
-          f"changed tensors per incremental save: {len(mutator.names)} ({', '.join(mutator.names[:3])}, ...)")
+          f"each incremental save changes {len(mutator.names)} parameters and their AdamW state "
+          f"({mutator.names[-1]} .. {mutator.names[0]})")
 
     report = {
         "meta": {**meta, "quick": args.quick, "settings": asdict(s), "state_bytes": nbytes, "tensors": ntensors,

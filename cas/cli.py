@@ -19,9 +19,11 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 COMMANDS: dict[str, Callable] = {}
 
 
-def command(name: str, help: str):
+def command(name: str, help: str, arguments: Callable | None = None, *, read_only: bool = False):
+    """Register `fn(store, args) -> exit status` as `cas NAME`; `arguments(parser)` adds its
+    flags. Commands may live in other modules that import this one."""
     def register(fn):
-        fn.cli_name, fn.cli_help = name, help
+        fn.cli_name, fn.cli_help, fn.cli_arguments, fn.cli_read_only = name, help, arguments, read_only
         COMMANDS[name] = fn
         return fn
     return register
@@ -47,8 +49,41 @@ def _step(text: str) -> int:
         raise argparse.ArgumentTypeError(f"a step is an integer, not {text!r}") from None
 
 
+# --- arguments -----------------------------------------------------------------------------
+def _add_ls(p) -> None:
+    p.add_argument("--json", action="store_true", help="print as JSON")
+
+def _add_show(p) -> None:
+    p.add_argument("step", type=_step)
+    p.add_argument("--json", action="store_true")
+
+def _add_verify(p) -> None:
+    p.add_argument("step", type=_step, nargs="?")
+    p.add_argument("--json", action="store_true")
+
+def _add_du(p) -> None:
+    p.add_argument("--json", action="store_true")
+
+def _add_step(p) -> None:
+    p.add_argument("step", type=_step)
+
+def _add_gc(p) -> None:
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest checkpoints")
+    p.add_argument("--keep-milestones", action="store_true", help="keep every milestone")
+    p.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
+    p.add_argument("--keep-best", metavar="METRIC:min|max:N", help="keep the N best by a metric")
+    p.add_argument("--keep-within", metavar="DURATION", help="keep those created within e.g. 12h, 2d, 1w")
+    p.add_argument("--keep-all", action="store_true", help="remove no checkpoint; only reclaim garbage")
+    p.add_argument("--dry-run", action="store_true", help="change nothing; report what would happen")
+    p.add_argument("--json", action="store_true")
+
+def _add_milestone(p) -> None:
+    p.add_argument("step", type=_step)
+    p.add_argument("--unset", action="store_true")
+
+
 # --- commands ------------------------------------------------------------------------------
-@command("ls", "list checkpoints")
+@command("ls", "list checkpoints", _add_ls, read_only=True)
 def cmd_ls(store, args) -> int:
     cks = store.checkpoints()
     if args.json:
@@ -66,11 +101,8 @@ def cmd_ls(store, args) -> int:
     return EXIT_OK
 
 
-def _add_ls(p) -> None:
-    p.add_argument("--json", action="store_true", help="print as JSON")
 
-
-@command("show", "show one checkpoint's tensors")
+@command("show", "show one checkpoint's tensors", _add_show, read_only=True)
 def cmd_show(store, args) -> int:
     ck = store.get(args.step)
     tensors = store.tensors(ck.step)
@@ -97,12 +129,8 @@ def cmd_show(store, args) -> int:
     return EXIT_OK
 
 
-def _add_show(p) -> None:
-    p.add_argument("step", type=_step)
-    p.add_argument("--json", action="store_true")
 
-
-@command("verify", "check every object of one or all checkpoints against its hash")
+@command("verify", "check every object of one or all checkpoints against its hash", _add_verify, read_only=True)
 def cmd_verify(store, args) -> int:
     report = store.verify(args.step)
     if args.json:
@@ -119,12 +147,8 @@ def cmd_verify(store, args) -> int:
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
-def _add_verify(p) -> None:
-    p.add_argument("step", type=_step, nargs="?")
-    p.add_argument("--json", action="store_true")
 
-
-@command("du", "disk usage: logical against stored bytes")
+@command("du", "disk usage: logical against stored bytes", _add_du, read_only=True)
 def cmd_du(store, args) -> int:
     s = store.stats()
     data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
@@ -139,29 +163,23 @@ def cmd_du(store, args) -> int:
     return EXIT_OK
 
 
-def _add_du(p) -> None:
-    p.add_argument("--json", action="store_true")
 
-
-@command("rm", "forget a checkpoint (space returns at the next gc)")
+@command("rm", "forget a checkpoint (space returns at the next gc)", _add_step)
 def cmd_rm(store, args) -> int:
     store.delete(args.step)
     print(f"removed checkpoint {args.step}; run `cas gc --keep-all` (or with your rules) to reclaim the space only it used")
     return EXIT_OK
 
 
-def _add_step(p) -> None:
-    p.add_argument("step", type=_step)
 
-
-@command("pin", "pin a checkpoint: a legal hold that no rule and no rm removes")
+@command("pin", "pin a checkpoint: a legal hold that no rule and no rm removes", _add_step)
 def cmd_pin(store, args) -> int:
     store.pin(args.step)
     print(f"checkpoint {args.step} is pinned")
     return EXIT_OK
 
 
-@command("unpin", "release a pin")
+@command("unpin", "release a pin", _add_step)
 def cmd_unpin(store, args) -> int:
     store.unpin(args.step)
     print(f"checkpoint {args.step} is no longer pinned")
@@ -184,7 +202,7 @@ class _TerminalProgress:
             sys.stderr.write("\r\x1b[K")
 
 
-@command("gc", "apply retention rules, then reclaim the space of unreferenced objects")
+@command("gc", "apply retention rules, then reclaim the space of unreferenced objects", _add_gc)
 def cmd_gc(store, args) -> int:
     from .gc import Retention
 
@@ -215,32 +233,15 @@ def cmd_gc(store, args) -> int:
     return EXIT_OK
 
 
-def _add_gc(p) -> None:
-    p.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest checkpoints")
-    p.add_argument("--keep-milestones", action="store_true", help="keep every milestone")
-    p.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
-    p.add_argument("--keep-best", metavar="METRIC:min|max:N", help="keep the N best by a metric")
-    p.add_argument("--keep-within", metavar="DURATION", help="keep those created within e.g. 12h, 2d, 1w")
-    p.add_argument("--keep-all", action="store_true", help="remove no checkpoint; only reclaim garbage")
-    p.add_argument("--dry-run", action="store_true", help="change nothing; report what would happen")
-    p.add_argument("--json", action="store_true")
 
-
-@command("milestone", "mark a checkpoint as a milestone (or --unset)")
+@command("milestone", "mark a checkpoint as a milestone (or --unset)", _add_milestone)
 def cmd_milestone(store, args) -> int:
     ck = store.set_milestone(args.step, not args.unset)
     print(f"checkpoint {ck.step} is {'now' if ck.milestone else 'no longer'} a milestone")
     return EXIT_OK
 
 
-def _add_milestone(p) -> None:
-    p.add_argument("step", type=_step)
-    p.add_argument("--unset", action="store_true")
 
-
-ARGUMENTS = {"ls": _add_ls, "show": _add_show, "verify": _add_verify, "du": _add_du, "rm": _add_step,
-             "milestone": _add_milestone, "pin": _add_step, "unpin": _add_step, "gc": _add_gc}
-READ_ONLY = {"ls", "show", "verify", "du"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.cli_help, description=fn.cli_help)
         p.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        ARGUMENTS[name](p)
+        if fn.cli_arguments:
+            fn.cli_arguments(p)
     return parser
 
 
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .api import Store
 
-        with Store(path, create=False, readonly=args.command in READ_ONLY) as store:
+        with Store(path, create=False, readonly=COMMANDS[args.command].cli_read_only) as store:
             return COMMANDS[args.command](store, args)
     except (CasError, OSError) as exc:
         print(f"cas: error: {exc}", file=sys.stderr)

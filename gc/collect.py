@@ -42,6 +42,7 @@ class GcReport:
     live_objects: int = 0
     dry_run: bool = False
     leases_reaped: int = 0
+    deferred: str | None = None  # why the sweep deleted nothing this time, if it had to wait
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
 
@@ -50,7 +51,7 @@ class GcReport:
                 "removed": [ck.to_json() for ck in self.removed],
                 "kept": [dict(ck.to_json(), rules=rules) for ck, rules in self.kept],
                 "freed_bytes": self.freed_bytes, "objects_swept": self.objects_swept,
-                "live_objects": self.live_objects, "leases_reaped": self.leases_reaped,
+                "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
 
@@ -122,6 +123,10 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
     faults.point("gc.marked")
 
     t0 = time.perf_counter()
+    barrier = None if dry_run else _barrier(store)
+    if barrier:
+        report.deferred = f"a writer that cannot hold objects one by one is in progress ({barrier}); sweep deferred"
+        return
     candidates = [k for k in records if k not in marker.live and k not in held]
     orphans = [k for k in on_disk - records.keys() if k not in marker.live and k not in held]
     if dry_run:
@@ -170,6 +175,19 @@ def _delete(store, txn, key: bytes) -> int:
             return rec.stored_size
     files.delete(key)
     return rec.stored_size if rec is not None and size else size
+
+
+BARRIER_PREFIX = "barrier:"
+
+
+def _barrier(store) -> str | None:
+    """A live lease whose purpose starts with "barrier:" (a distributed save, whose ranks reuse
+    objects without recording holds) stops every sweep until it ends."""
+    with store.index.read() as txn:
+        for info in store.index.leases(txn).values():
+            if str(info.get("purpose", "")).startswith(BARRIER_PREFIX):
+                return info["purpose"][len(BARRIER_PREFIX):]
+    return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -29,7 +29,7 @@ def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.
         if leaf.nbytes == 0:
             continue
         data = leaf.bytes_view()
-        spans = list(chunk_spans(leaf.nbytes, leaf.chunk_size))
+        spans = list(chunk_spans(leaf.nbytes, leaf.chunk_size, leaf.skew))
         leaf.chunks = [None] * len(spans)
         for i, (start, end) in enumerate(spans):
             yield leaf, i, data[start:end]

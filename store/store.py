@@ -306,7 +306,7 @@ class Store:
         if node["k"] != "tensor":
             raise CorruptionError("a commit node appears inside a state tree", key=ref.key.hex(), step=step, path=path)
         out, view = tensors.output_for(node, into.get(path))
-        for key, (start, end) in zip(node["chunks"], pipeline.chunk_spans(node["nbytes"], node["chunk"])):
+        for key, (start, end) in zip(node["chunks"], pipeline.chunk_spans(node["nbytes"], node["chunk"], node["skew"])):
             jobs.append((path, key, view[start:end]))
         return out
 

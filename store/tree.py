@@ -11,7 +11,6 @@ next save and cost nothing.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -41,6 +40,7 @@ class TensorLeaf:
     group: int  # byte-group stride for the codec (1: no grouping)
     source: object  # the tensor or array itself
     chunk_size: int = 0
+    skew: int = 0  # the tensor starts this many bytes into a chunk of a global grid (DCP shards)
     chunks: list = field(default_factory=list)
     staged: np.ndarray | None = None  # a host snapshot of the bytes, for asynchronous saves
 
@@ -53,8 +53,11 @@ class TensorLeaf:
         return T.numpy_bytes(self.source)
 
     def node(self) -> dict:
-        return {"k": "tensor", "lib": self.lib, "dtype": self.dtype, "shape": self.shape,
+        node = {"k": "tensor", "lib": self.lib, "dtype": self.dtype, "shape": self.shape,
                 "chunk": self.chunk_size, "chunks": self.chunks}
+        if self.skew:
+            node["skew"] = self.skew
+        return node
 
 
 def path_join(path: str, key) -> str:
@@ -209,7 +212,8 @@ def _check_tensor_node(node: dict, name: str) -> None:
           and isinstance(shape, list) and len(shape) <= MAX_DIMS
           and all(type(d) is int and d >= 0 for d in shape)
           and isinstance(chunks, list) and all(isinstance(c, bytes) and len(c) == KEY_SIZE for c in chunks)
-          and type(chunk) is int and chunk > 0)
+          and type(chunk) is int and chunk > 0
+          and type(node.get("skew", 0)) is int and 0 <= node.get("skew", 0) < chunk)
     if not ok:
         raise CorruptionError("tensor node is malformed", key=name)
     if node["lib"] == "torch":
@@ -217,7 +221,8 @@ def _check_tensor_node(node: dict, name: str) -> None:
     else:
         numpy_dtype(node["dtype"])
     nbytes = T.nbytes_of(T.element_size(node["lib"], node["dtype"]), shape)
-    if len(chunks) != math.ceil(nbytes / chunk):
+    node.setdefault("skew", 0)
+    if len(chunks) != (-(-(nbytes + node["skew"]) // chunk) if nbytes else 0):
         raise CorruptionError(f"tensor node lists {len(chunks)} chunks for {nbytes} bytes in chunks of {chunk}",
                               key=name)
     node["nbytes"] = nbytes
@@ -232,10 +237,14 @@ def node_children(node: dict) -> tuple[list[bytes], list[bytes]]:
     return refs, []
 
 
-def chunk_spans(nbytes: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """(start, end) byte offsets of each chunk of a tensor."""
-    for start in range(0, nbytes, chunk):
-        yield start, min(start + chunk, nbytes)
+def chunk_spans(nbytes: int, chunk: int, skew: int = 0) -> Iterator[tuple[int, int]]:
+    """(start, end) byte offsets of each chunk of a tensor whose first byte sits `skew` bytes
+    into a chunk of the grid (0 for a whole tensor; a shard's global offset for DCP)."""
+    start = 0
+    while start < nbytes:
+        end = min(start + chunk - (skew if start == 0 else 0), nbytes)
+        yield start, end
+        start = end
 
 
 def walk_value(value, visit: Callable[[object, str], object], path: str = "", match: type = Ref):
