@@ -123,10 +123,6 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
     faults.point("gc.marked")
 
     t0 = time.perf_counter()
-    barrier = None if dry_run else _barrier(store)
-    if barrier:
-        report.deferred = f"a writer that cannot hold objects one by one is in progress ({barrier}); sweep deferred"
-        return
     candidates = [k for k in records if k not in marker.live and k not in held]
     orphans = [k for k in on_disk - records.keys() if k not in marker.live and k not in held]
     if dry_run:
@@ -144,6 +140,11 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
                 if now != generation:
                     new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
                     raise _Retry(now, new_roots)
+                barrier = _barrier(index, txn)
+                if barrier:
+                    report.deferred = (f"a writer that cannot hold objects one by one is in progress ({barrier}); "
+                                       "the rest of the sweep waits for the next gc")
+                    break
                 held = index.held_keys(txn)
                 for key in batch:
                     if key in marker.live or key in held:
@@ -180,13 +181,13 @@ def _delete(store, txn, key: bytes) -> int:
 BARRIER_PREFIX = "barrier:"
 
 
-def _barrier(store) -> str | None:
+def _barrier(index, txn) -> str | None:
     """A live lease whose purpose starts with "barrier:" (a distributed save, whose ranks reuse
-    objects without recording holds) stops every sweep until it ends."""
-    with store.index.read() as txn:
-        for info in store.index.leases(txn).values():
-            if str(info.get("purpose", "")).startswith(BARRIER_PREFIX):
-                return info["purpose"][len(BARRIER_PREFIX):]
+    objects without recording holds) stops every sweep batch until it ends. Checked inside each
+    batch's write transaction, so a barrier taken before ranks look at files is always seen."""
+    for info in index.leases(txn).values():
+        if str(info.get("purpose", "")).startswith(BARRIER_PREFIX):
+            return info["purpose"][len(BARRIER_PREFIX):]
     return None
 
 

@@ -202,3 +202,15 @@ def test_cli_gc_dry_run_json_and_pins(store_path):
     assert data["freed_bytes"] > 0
     assert len(cas.open(store_path).checkpoints()) == 4
     assert _cas("unpin", 10, "--store", store_path).returncode == 0
+
+
+def test_a_barrier_lease_defers_the_sweep_until_it_ends(store):
+    fill(store, 3)
+    store.delete(10)
+    session = store.objects.session("barrier:distributed save step 99")
+    report = store.gc()
+    assert report.objects_swept == 0 and "distributed save step 99" in report.deferred
+    session.abort()
+    report = store.gc()
+    assert report.objects_swept > 0 and report.deferred is None
+    assert_exactly_reachable(store)
