@@ -3,7 +3,7 @@
 A backend stores opaque, immutable, content-named blobs. It knows nothing of encodings or of
 what references what: the index (cas.index) says which objects are durably committed, and
 only it is trusted for dedup. A second backend (object storage, say) is one new class with
-these six methods.
+these seven methods.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT
 class ObjectBackend(Protocol):
     def get(self, key: bytes) -> bytes:
         """The stored bytes; MissingObjectError naming the key when absent."""
+
+    def head(self, key: bytes, nbytes: int) -> bytes:
+        """The first `nbytes` stored bytes (an object's header), without reading the rest."""
 
     def put(self, key: bytes, parts: Iterable) -> int:
         """Store the concatenation of `parts` under `key`, atomically; returns bytes written.
@@ -63,6 +66,13 @@ class FileObjects:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
         except (ValueError, IsADirectoryError, PermissionError) as exc:
             raise MissingObjectError(f"object file cannot be read: {exc}", key=to_hex(key)) from None
+
+    def head(self, key: bytes, nbytes: int) -> bytes:
+        try:
+            with open(self.path(key), "rb", buffering=0) as f:
+                return f.read(nbytes)
+        except FileNotFoundError:
+            raise MissingObjectError("object file is missing", key=to_hex(key)) from None
 
     def put(self, key: bytes, parts: Iterable) -> int:
         path = self.path(key)

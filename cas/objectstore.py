@@ -22,7 +22,7 @@ import numpy as np
 
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header
-from .errors import StoreClosedError
+from .errors import MissingObjectError, StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_INLINE, Index, ObjectRecord
 from .objects import ObjectBackend
 
@@ -115,6 +115,18 @@ class WriteSession:
             with self._lock:
                 self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size)
         return size
+
+    def adopt(self, key: bytes) -> int:
+        """Index at commit a file object that another process wrote (a DCP rank, which cannot
+        touch LMDB): its header must parse and give its raw size. Returns its stored size."""
+        data_size = self.store.files.has(key)
+        if data_size is None:
+            raise MissingObjectError("an object a distributed writer reported is not in the store", key=key.hex())
+        head = parse_header(self.store.files.head(key, 64), key=key)
+        with self._lock:
+            if key not in self._written:
+                self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size)
+        return data_size
 
     def commit(self, finish: Callable[[object], T]) -> T:
         """Make every written object durable, then in one transaction index them, run
