@@ -26,7 +26,10 @@ Each figure is the min (the machine's capability) and median of 3 repetitions, a
 untimed warm-up: this VM first-touches fresh memory slowly, so the warm-up keeps that cost out of
 the min. "Cold" means fsync + posix_fadvise(DONTNEED) on every file to be read; the host below
 the VM may still cache the disk image. GB = 1e9 bytes, GiB = 2^30; throughput counts the state's
-tensor bytes. Section 5 runs one repetition per chunk size.
+tensor bytes. Section 5 runs one repetition per chunk size (after the warm-up). A cas save is
+timed from store.save() to its return (the store is opened untimed); a cas load includes
+cas.open(). A last line reports a CPU probe at the start and end and the steal time, since the
+host is shared and run-to-run swings of 1.5x have been seen on it.
 """
 
 from __future__ import annotations
@@ -48,13 +51,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cas  # noqa: E402
-from cas.codecs import CodecPolicy  # noqa: E402
-from cas.fsutil import atomic_write, fsync_dir, write_parts  # noqa: E402
-from cas.hashing import hash_bytes  # noqa: E402
-from cas.objectstore import DEFAULT_INLINE_MAX  # noqa: E402
-from cas.store.tree import chunk_spans, plan  # noqa: E402
+import cas
+from cas.codecs import CodecPolicy
+from cas.fsutil import atomic_write, fsync_dir, write_parts
+from cas.hashing import hash_bytes
+from cas.store.tree import chunk_spans, plan
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,6 +65,7 @@ SWEEP_CHUNKS = (1 * MiB, 4 * MiB, 16 * MiB)
 INCREMENTAL_SAVES = 10
 CHANGED_FRACTION = 0.10
 WORKERS = 2  # thread pool width of the breakdown (the machine has 2 cores)
+SMALL_OBJECT_MAX = 64 << 10  # cas keeps encoded objects up to this size out of files of their own
 
 # (label, key of the measured ratio, comparison, limit). Ratios are cas / torch for time and
 # bytes, except the incremental speed-up, which is torch / cas.
@@ -360,12 +362,14 @@ LOAD_ZSTD, LOAD_RAW = CAS_ZSTD + ", verified", CAS_RAW + ", verified"
 
 
 class CasFormat(Format):
+    """A cas store: saved into a store opened (untimed) just before; a load's time includes
+    opening the store."""
 
     def __init__(self, state, *, compress: bool, chunk_size: int = DEFAULT_CHUNK) -> None:
         super().__init__(state)
         self.compress, self.chunk_size = compress, chunk_size
         self.name = CAS_ZSTD if compress else CAS_RAW
-        self.load_name = self.name + ", verified"
+        self.load_name = LOAD_ZSTD if compress else LOAD_RAW
         self.target = f"cas-{'zstd' if compress else 'raw'}-{chunk_size // MiB}m"
 
     def fresh(self, path: str):
@@ -479,8 +483,8 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
             remove(folder)
             os.makedirs(folder)
 
-        def write_files(_):  # as cas does: only objects larger than inline_max become files
-            big = [parts for parts in encoded if size(parts) > DEFAULT_INLINE_MAX]
+        def write_files(_):  # as cas does: only the larger objects become files of their own
+            big = [parts for parts in encoded if size(parts) > SMALL_OBJECT_MAX]
             names = [os.path.join(folder, f"{i:06d}") for i in range(len(big))]
             list(pool.map(lambda a: atomic_write(a[0], a[1], tmp_dir=folder), zip(names, big)))
             fsync_dir(folder)
@@ -684,6 +688,42 @@ def machine() -> dict:
             "python": sys.version.split()[0], "loadavg_start": os.getloadavg()}
 
 
+def cpu_probe() -> float:
+    """Single-thread GB/s of byte-group + zstd-1 on a fixed 4 MiB chunk of weight-like floats:
+    taken at the start and the end, it shows whether the (shared) machine was slow meanwhile."""
+    gen = torch.Generator().manual_seed(2)
+    chunk = (torch.randn(DEFAULT_CHUNK // 4, generator=gen) * 0.02).view(torch.uint8).numpy()
+    policy = CodecPolicy()
+    policy.encode(chunk, 4)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        policy.encode(chunk, 4)
+    return 10 * chunk.nbytes / (time.perf_counter() - t0) / GB
+
+
+class CpuNoise:
+    """CPU time taken outside this process during the run, in % of the machine: user time of
+    other processes, kernel time not charged to us (I/O threads, other processes), and steal."""
+
+    def __init__(self) -> None:
+        self.t0, self.stat0, self.own0 = time.perf_counter(), self._stat(), os.times()
+
+    @staticmethod
+    def _stat() -> tuple[int, int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[0] + v[1], v[2] + v[5] + v[6], v[7]  # user+nice, system+irq+softirq, steal
+
+    def result(self) -> dict:
+        hz, wall = os.sysconf("SC_CLK_TCK"), time.perf_counter() - self.t0
+        pct = 100 / (wall * (os.cpu_count() or 1))
+        (user0, sys0, steal0), (user1, sys1, steal1) = self.stat0, self._stat()
+        own = os.times()
+        return {"other_user_pct": max(0.0, (user1 - user0) / hz - (own.user - self.own0.user)) * pct,
+                "other_kernel_pct": max(0.0, (sys1 - sys0) / hz - (own.system - self.own0.system)) * pct,
+                "steal_pct": (steal1 - steal0) / hz * pct}
+
+
 # --- main ---------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -695,6 +735,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     started = time.perf_counter()
     meta = machine()
+    noise = CpuNoise()
+    probe_start = cpu_probe()
 
     log("building the model and running AdamW steps")
     t0 = time.perf_counter()
@@ -741,8 +783,13 @@ def main() -> None:
     results = verdicts(saves, loads, incr_times)
     print_verdicts(results)
     wall = time.perf_counter() - started
-    meta.update(loadavg_end=os.getloadavg(), wall_s=wall, build_s=build_s)
-    print(f"\nwall time {wall:.0f} s (model build + 2 AdamW steps {build_s:.1f} s); "
+    probe_end, busy = cpu_probe(), noise.result()
+    meta.update(loadavg_end=os.getloadavg(), wall_s=wall, build_s=build_s, cpu_probe_start_GBps=probe_start,
+                cpu_probe_end_GBps=probe_end, **busy)
+    print(f"\nmachine during the run: CPU probe (1-thread bytegroup+zstd-1, 4 MiB) {probe_start:.2f} GB/s at start, "
+          f"{probe_end:.2f} GB/s at end; CPU taken outside this process: user {busy['other_user_pct']:.0f}%, "
+          f"kernel {busy['other_kernel_pct']:.0f}% (I/O threads), steal {busy['steal_pct']:.0f}% of the machine")
+    print(f"wall time {wall:.0f} s (model build + 2 AdamW steps {build_s:.1f} s); "
           f"each incremental save changes {len(mutator.names)} parameters and their AdamW state "
           f"({mutator.names[-1]} .. {mutator.names[0]})")
 

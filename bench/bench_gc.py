@@ -27,8 +27,8 @@ def build(path: str, n: int) -> float:
     g = torch.Generator().manual_seed(0)
     backbone = {f"backbone.{i}": torch.randn(256, 256, generator=g) for i in range(16)}  # 4 MiB, frozen
     t0 = time.perf_counter()
-    # inline_max=4 KiB: every chunk becomes a file, so the sweep pays for real unlinks
-    with cas.open(path, chunk_size=64 << 10, inline_max=4096) as store:
+    # pack_max=4 KiB: every chunk becomes a file, so the sweep pays for real unlinks
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         for step in range(n):
             head = {f"head.{i}": torch.randn(64, 256, generator=g) for i in range(4)}
             moments = {f"m.{i}": torch.randn(64, 256, generator=g) for i in range(4)}

@@ -5,9 +5,11 @@ writers; every state change of the store is one such transaction. Upper layers (
 checkpoint registry) open their own named databases in the same environment so that their
 change commits in the same transaction as the objects it references.
 
+The index is a cache of what is on disk: object files and pack files are self-describing, and
+`cas repair` rebuilds it from them (store/repair.py).
+
 Tables (see docs/format.md, "Index"):
   objects  key -> ObjectRecord        every object that is durably stored, and where
-  inline   key -> encoded object      small objects live here instead of in files
   leases   lease id -> msgpack        writers in progress (pid, host, start time)
   holds    lease id + key -> b""      objects an in-progress writer references
   meta     name -> value              counters (the commit generation)
@@ -29,11 +31,13 @@ import msgpack
 from .errors import CasError, ReadOnlyStoreError
 from .hashing import KEY_SIZE
 
-WHERE_FILE = 0
-WHERE_INLINE = 1
-_RECORD = struct.Struct("<BQQ")  # where, stored (encoded) size, raw size
+WHERE_FILE = 0  # objects/ab/<key>
+WHERE_PACK = 2  # an entry of a pack file
+FLAG_BASE = 1  # the object is a delta against a base object (an edge gc must follow)
+_RECORD = struct.Struct("<BBQQ")  # where, flags, stored (encoded) size, raw size
+_PACK_LOC = struct.Struct("<32sQ")  # pack key, offset of the encoded object in it
 LEASE_ID_SIZE = 16
-_TABLES = ("objects", "inline", "leases", "holds", "meta")
+_TABLES = ("objects", "leases", "holds", "meta")
 DEFAULT_MAP_SIZE = 1 << 40  # address space only: the file grows as data is written
 
 
@@ -42,15 +46,34 @@ class ObjectRecord:
     where: int
     stored_size: int
     raw_size: int
+    pack: bytes | None = None  # for WHERE_PACK: the pack's key ...
+    offset: int = 0  # ... and where the encoded object starts in it
+    base: bytes | None = None  # for a delta: the object it is coded against
 
-    def pack(self) -> bytes:
-        return _RECORD.pack(self.where, self.stored_size, self.raw_size)
+    def pack_bytes(self) -> bytes:
+        out = _RECORD.pack(self.where, FLAG_BASE if self.base else 0, self.stored_size, self.raw_size)
+        if self.where == WHERE_PACK:
+            out += _PACK_LOC.pack(self.pack, self.offset)
+        return out + (self.base or b"")
 
     @classmethod
     def unpack(cls, data: bytes) -> "ObjectRecord":
-        if len(data) != _RECORD.size:
-            raise CasError(f"index record has {len(data)} bytes, expected {_RECORD.size}: the index is damaged")
-        return cls(*_RECORD.unpack(data))
+        try:
+            where, flags, stored, raw = _RECORD.unpack_from(data, 0)
+            pos, pack, offset, base = _RECORD.size, None, 0, None
+            if where == WHERE_PACK:
+                pack, offset = _PACK_LOC.unpack_from(data, pos)
+                pos += _PACK_LOC.size
+            elif where != WHERE_FILE:
+                raise ValueError(f"unknown location {where}")
+            if flags & FLAG_BASE:
+                base = bytes(data[pos:pos + KEY_SIZE])
+                pos += KEY_SIZE
+            if pos != len(data) or (base is not None and len(base) != KEY_SIZE):
+                raise ValueError("wrong length")
+        except (struct.error, ValueError) as exc:
+            raise CasError(f"an index record is damaged ({exc}); run `cas repair` to rebuild the index") from None
+        return cls(where, stored, raw, pack, offset, base)
 
 
 class Index:
@@ -103,8 +126,8 @@ class Index:
         for key, raw in txn.cursor(db=self.tables["objects"]):
             yield bytes(key), ObjectRecord.unpack(raw)
 
-    def inline_get(self, txn, key: bytes) -> bytes | None:
-        return txn.get(key, db=self.tables["inline"])
+    def put_record(self, txn, key: bytes, rec: ObjectRecord) -> None:
+        txn.put(key, rec.pack_bytes(), db=self.tables["objects"])
 
     # --- leases and holds ----------------------------------------------------------------
     def new_lease(self, txn, lease: bytes, purpose: str) -> None:

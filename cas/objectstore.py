@@ -1,14 +1,15 @@
-"""Content-addressed objects over the index and a backend, and the write session protocol.
+"""Content-addressed objects over the index and the backends, and the write session protocol.
 
 A writer works inside a WriteSession, which holds a lease in the index:
   1. claim(keys): one write transaction records a hold on each key and says which keys are
-     already durably stored (index record present, and for file objects the file is there with
-     its recorded size). Held keys are never swept by gc, so a claimed object stays put.
+     already durably stored (index record present, and its file or pack there). Held keys are
+     never swept by gc, so a claimed object stays put.
   2. write(key, raw): encode and store the absent ones, in worker threads. Small encoded
-     objects are kept for the next transaction (they live inside LMDB); large ones become files.
-  3. commit(finish): fsync the directories, then one write transaction indexes every object
-     written, runs `finish` (the caller's registry change, e.g. a checkpoint), and ends the
-     lease. Before it, nothing the session wrote is referenced; after it, all of it is durable.
+     objects are gathered into a pack file; large ones become files of their own.
+  3. commit(finish): write the last pack, fsync the directories, then one write transaction
+     indexes every object written, runs `finish` (the caller's registry change, e.g. a
+     checkpoint) and ends the lease. Before it nothing the session wrote is referenced; after
+     it, all of it is durable.
 The index, not the presence of a file, decides dedup: a file left by a crash is rewritten.
 """
 
@@ -23,26 +24,39 @@ import numpy as np
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header
 from .errors import MissingObjectError, StoreClosedError
-from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_INLINE, Index, ObjectRecord
+from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
+from .packs import PACK_TARGET, PackFiles
 
 T = TypeVar("T")
-DEFAULT_INLINE_MAX = 64 << 10  # encoded objects up to this size live in LMDB, not in files
+DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
 
 
 class ObjectStore:
-    def __init__(self, index: Index, files: ObjectBackend, codec: CodecPolicy,
-                 inline_max: int = DEFAULT_INLINE_MAX) -> None:
+    def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
+                 pack_max: int = DEFAULT_PACK_MAX) -> None:
         self.index = index
         self.files = files
+        self.packs = packs
         self.codec = codec
-        self.inline_max = inline_max
+        self.pack_max = pack_max
+
+    def record(self, key: bytes) -> ObjectRecord | None:
+        with self.index.read() as txn:
+            return self.index.record(txn, key)
 
     def fetch(self, key: bytes) -> bytes:
         """The encoded bytes of an object, wherever it lives; MissingObjectError if nowhere."""
-        with self.index.read() as txn:
-            data = self.index.inline_get(txn, key)
-        return data if data is not None else self.files.get(key)
+        for attempt in range(2):
+            rec = self.record(key)
+            if rec is None or rec.where == WHERE_FILE:
+                return self.files.get(key)
+            try:
+                return self.packs.read(rec.pack, rec.offset, rec.stored_size, key)
+            except MissingObjectError:
+                if attempt:  # gc may have repacked it between our lookup and the read: look again
+                    raise
+        raise AssertionError("unreachable")
 
     def get(self, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
         """Decoded, hash-checked raw bytes of an object (into `out` when given)."""
@@ -65,7 +79,8 @@ class WriteSession:
         self.lease = secrets.token_bytes(LEASE_ID_SIZE)
         self.new_bytes = 0
         self._claimed: set[bytes] = set()
-        self._pending_inline: dict[bytes, tuple[bytes, int]] = {}
+        self._pending_small: dict[bytes, tuple[bytes, int]] = {}  # key -> (encoded, raw size)
+        self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
         self._lock = threading.Lock()
         self._open = True
@@ -85,7 +100,6 @@ class WriteSession:
         self._check_open()
         records: list = []
         with self.index.write() as txn:
-            self._flush_inline(txn)
             for key in keys:
                 if key in self._claimed:
                     records.append(True)
@@ -99,22 +113,47 @@ class WriteSession:
     def _is_stored(self, key: bytes, rec: ObjectRecord | None) -> bool:
         if rec is None:
             return False
-        return rec.where == WHERE_INLINE or self.store.files.has(key) == rec.stored_size
+        if rec.where == WHERE_PACK:
+            size = self.store.packs.size(rec.pack)
+            return size is not None and rec.offset + rec.stored_size <= size
+        return self.store.files.has(key) == rec.stored_size
 
     def write(self, key: bytes, raw, element_size: int = 1) -> int:
         """Encode and store one object (thread-safe); returns its encoded size."""
         parts = self.store.codec.encode(raw, element_size)
         size = sum(memoryview(p).nbytes for p in parts)
         raw_size = memoryview(raw).nbytes
-        if size <= self.store.inline_max:
-            blob = b"".join(bytes(p) for p in parts)
-            with self._lock:
-                self._pending_inline[key] = (blob, raw_size)
+        if size <= self.store.pack_max:
+            self._add_small(key, b"".join(bytes(p) for p in parts), raw_size)
         else:
             self.store.files.put(key, parts)
+            faults.point("session.file_written")
             with self._lock:
                 self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size)
         return size
+
+    def write_encoded(self, key: bytes, blob: bytes, raw_size: int) -> None:
+        """Store an already encoded object again (gc's repacking moves live objects this way)."""
+        self._add_small(key, blob, raw_size)
+
+    def _add_small(self, key: bytes, blob: bytes, raw_size: int) -> None:
+        with self._lock:
+            self._pending_small[key] = (blob, raw_size)
+            self._pending_bytes += len(blob)
+            full = self._pending_bytes >= PACK_TARGET
+        if full:
+            self._flush_pack()
+
+    def _flush_pack(self) -> None:
+        """Write the gathered small objects as one pack; they are indexed at commit."""
+        with self._lock:
+            pending, self._pending_small, self._pending_bytes = self._pending_small, {}, 0
+        if not pending:
+            return
+        pack, placed = self.store.packs.write([(k, blob) for k, (blob, _) in pending.items()])
+        with self._lock:
+            for key, offset, length in placed:
+                self._written[key] = ObjectRecord(WHERE_PACK, length, pending[key][1], pack, offset)
 
     def adopt(self, key: bytes) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot
@@ -132,17 +171,18 @@ class WriteSession:
         """Make every written object durable, then in one transaction index them, run
         `finish(txn)` and end the lease. If `finish` raises, nothing of it is committed."""
         self._check_open()
+        self._flush_pack()
         self.store.files.sync()
         faults.point("commit.synced")
         with self.index.write() as txn:
-            self._flush_inline(txn)
             for key, rec in self._written.items():
                 if self.index.record(txn, key) is None:
                     self.new_bytes += rec.stored_size
-                txn.put(key, rec.pack(), db=self.index.db("objects"))
+                self.index.put_record(txn, key, rec)
             result = finish(txn)
             self.index.end_lease(txn, self.lease)
             self.index.bump_generation(txn)
+            faults.point("commit.in_txn")
         self._open = False
         return result
 
@@ -156,16 +196,6 @@ class WriteSession:
                 self.index.end_lease(txn, self.lease)
         except Exception:  # the lease of a dead writer is reclaimed by gc anyway
             pass
-
-    def _flush_inline(self, txn) -> None:
-        with self._lock:
-            pending, self._pending_inline = self._pending_inline, {}
-        objects, inline = self.index.db("objects"), self.index.db("inline")
-        for key, (blob, raw_size) in pending.items():
-            if self.index.record(txn, key) is None:
-                self.new_bytes += len(blob)
-            txn.put(key, blob, db=inline)
-            txn.put(key, ObjectRecord(WHERE_INLINE, len(blob), raw_size).pack(), db=objects)
 
     def _check_open(self) -> None:
         if not self._open:

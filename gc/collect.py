@@ -23,7 +23,7 @@ from typing import Callable
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
-from cas.index import WHERE_FILE
+from cas.index import WHERE_PACK
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -42,6 +42,9 @@ class GcReport:
     live_objects: int = 0
     dry_run: bool = False
     leases_reaped: int = 0
+    reclaimed_bytes: int = 0  # disk space given back: object files and packs removed, less repacked bytes
+    packs_removed: int = 0
+    packs_rewritten: int = 0
     deferred: str | None = None  # why the sweep deleted nothing this time, if it had to wait
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
@@ -51,6 +54,8 @@ class GcReport:
                 "removed": [ck.to_json() for ck in self.removed],
                 "kept": [dict(ck.to_json(), rules=rules) for ck, rules in self.kept],
                 "freed_bytes": self.freed_bytes, "objects_swept": self.objects_swept,
+                "reclaimed_bytes": self.reclaimed_bytes, "packs_removed": self.packs_removed,
+                "packs_rewritten": self.packs_rewritten,
                 "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
@@ -149,7 +154,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
                 for key in batch:
                     if key in marker.live or key in held:
                         continue
-                    report.freed_bytes += _delete(store, txn, key)
+                    report.freed_bytes += _delete(store, txn, key, report)
                     report.objects_swept += 1
                 faults.point("gc.sweep_batch")
         except _Retry as retry:
@@ -159,23 +164,73 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
         done += len(batch)
         if progress:
             progress("sweep", done, len(todo))
+    if report.deferred is None:
+        compact_packs(store, report)
     files.sync()
     clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
 
 
-def _delete(store, txn, key: bytes) -> int:
-    """Drop one object's record and bytes inside the sweep's write transaction."""
+def _delete(store, txn, key: bytes, report: GcReport) -> int:
+    """Drop one object's record, and its file, inside the sweep's write transaction. An object
+    in a pack loses only its record here; compact_packs gives the space back."""
     index, files = store.index, store.objects.files
     rec = index.record(txn, key)
-    size = files.has(key) or 0
     if rec is not None:
         txn.delete(key, db=index.db("objects"))
-        if rec.where != WHERE_FILE:
-            txn.delete(key, db=index.db("inline"))
+        if rec.where == WHERE_PACK:
             return rec.stored_size
+    size = files.has(key) or 0
     files.delete(key)
+    report.reclaimed_bytes += size
     return rec.stored_size if rec is not None and size else size
+
+
+def compact_packs(store, report: GcReport) -> None:
+    """Remove packs no record points to, and rewrite packs that hold dead entries so that only
+    live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
+    it may be that writer's own pack, not yet committed."""
+    packs, index = store.objects.packs, store.index
+    rewrite: dict[bytes, list[bytes]] = {}
+    for pack in list(packs.iterate()):
+        try:
+            entries = [key for key, _, _ in packs.entries(pack)]
+        except (CorruptionError, OSError):
+            continue  # a damaged pack is verify's and repair's business, never gc's
+        with index.write() as txn:
+            if _barrier(index, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
+                continue
+            live = [k for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack]
+            if not live:
+                report.reclaimed_bytes += packs.size(pack) or 0
+                packs.delete(pack)
+                report.packs_removed += 1
+            elif len(live) < len(entries):
+                rewrite[pack] = live
+    for pack, live in rewrite.items():
+        _rewrite_pack(store, pack, live, report)
+
+
+def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> None:
+    """Move a pack's live objects into a new pack (same keys, so no manifest changes), then
+    remove the old pack once no record points to it."""
+    objects, index = store.objects, store.index
+    with objects.session("gc repack") as session:
+        session.claim(keys)
+        moved = 0
+        for key in keys:
+            rec = objects.record(key)
+            if rec is None or rec.pack != pack:
+                continue  # swept or moved meanwhile
+            session.write_encoded(key, objects.packs.read(pack, rec.offset, rec.stored_size, key), rec.raw_size)
+            moved += rec.stored_size
+        session.commit(lambda txn: None)
+    with index.write() as txn:
+        if any((rec := index.record(txn, k)) is not None and rec.pack == pack for k in keys):
+            return
+        report.reclaimed_bytes += (objects.packs.size(pack) or 0) - moved
+        objects.packs.delete(pack)
+        report.packs_rewritten += 1
 
 
 BARRIER_PREFIX = "barrier:"

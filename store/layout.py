@@ -3,6 +3,7 @@
     <root>/config        b"cas-store\\n" + msgpack {"format", "chunk_size", "created", "store_id"}
     <root>/index/        the LMDB environment (cas.index)
     <root>/objects/ab/…  large objects, one file each (cas.objects)
+    <root>/packs/ab/…    small objects, many to a pack file (cas.packs)
     <root>/tmp/          temporary files of writes in progress
 
 Opening a folder that is not a store, or a store of another format version, fails before
@@ -52,6 +53,10 @@ class Layout:
     @property
     def objects(self) -> str:
         return os.path.join(self.root, "objects")
+
+    @property
+    def packs(self) -> str:
+        return os.path.join(self.root, "packs")
 
     @property
     def tmp(self) -> str:

@@ -19,7 +19,8 @@ from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, Store
 from cas.hashing import hash_bytes
 from cas.index import Index
 from cas.objects import FileObjects
-from cas.objectstore import DEFAULT_INLINE_MAX, ObjectStore
+from cas.packs import PackFiles
+from cas.objectstore import DEFAULT_PACK_MAX, ObjectStore
 
 from . import layout as L
 from . import pipeline, tensors
@@ -84,7 +85,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
                  chunk_size: int | None = None, compress: bool = True, compression_level: int = 1,
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 inline_max: int = DEFAULT_INLINE_MAX, max_inflight: int = 1) -> None:
+                 pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -99,7 +100,8 @@ class Store:
         self.index = Index(self.layout.index, readonly=self.readonly, extra_tables=(REGISTRY_TABLE,))
         self.registry = Registry(self.index, self.path)
         self.objects = ObjectStore(self.index, FileObjects(self.layout.objects, self.layout.tmp),
-                                   CodecPolicy(compress=compress, level=compression_level), inline_max)
+                                   PackFiles(self.layout.packs, self.layout.tmp),
+                                   CodecPolicy(compress=compress, level=compression_level), pack_max)
         self.chunk_size = self.config.chunk_size
         self.window_bytes = window_bytes
         self._workers = workers or os.cpu_count() or 2
@@ -114,7 +116,7 @@ class Store:
     def _create(self, chunk_size: int) -> None:
         L.check_chunk_size(chunk_size)
         os.makedirs(self.path, exist_ok=True)
-        for folder in (self.layout.index, self.layout.objects, self.layout.tmp):
+        for folder in (self.layout.index, self.layout.objects, self.layout.packs, self.layout.tmp):
             os.makedirs(folder, exist_ok=True)
         Index(self.layout.index, create=True, extra_tables=(REGISTRY_TABLE,)).close()
         L.write_config(self.layout, chunk_size=chunk_size)

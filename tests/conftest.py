@@ -15,5 +15,5 @@ def store_path(tmp_path):
 
 @pytest.fixture
 def store(store_path):
-    with cas.open(store_path, chunk_size=64 << 10, inline_max=16 << 10) as s:
+    with cas.open(store_path, chunk_size=64 << 10, pack_max=16 << 10) as s:
         yield s

@@ -27,7 +27,7 @@ def run(*args, store=None, env_store=None, cwd=None):
 @pytest.fixture
 def filled(tmp_path):
     path = tmp_path / "store"
-    with cas.open(path, chunk_size=64 << 10, inline_max=4096) as s:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as s:
         base = torch.randn(256, 256)
         for step in (100, 200, 300):
             s.save({"model": {"base": base, "head": torch.randn(64, 64)}, "step": step}, step=step,

@@ -13,7 +13,7 @@ import torch
 
 import cas
 from cas.gc import Marker, Retention
-from cas.index import WHERE_FILE
+from cas.index import WHERE_FILE, WHERE_PACK
 
 
 def reachable(store, steps) -> set[bytes]:
@@ -28,14 +28,19 @@ def sizes(store) -> dict[bytes, int]:
 
 
 def assert_exactly_reachable(store) -> None:
-    """Nothing lost, nothing leaked: the index and the object files hold exactly what the
-    committed checkpoints reach."""
+    """Nothing lost, nothing leaked: the index, the object files and the packs hold exactly what
+    the committed checkpoints reach."""
     live = reachable(store, [ck.step for ck in store.checkpoints()])
     with store.index.read() as txn:
         records = dict(store.index.iter_records(txn))
     assert set(records) == live
     files = set(store.objects.files.iterate())
     assert files == {k for k, r in records.items() if r.where == WHERE_FILE}
+    packs = store.objects.packs
+    assert set(packs.iterate()) == {r.pack for r in records.values() if r.where == WHERE_PACK}
+    for pack in packs.iterate():  # no dead entry is left inside a pack
+        for key, offset, _ in packs.entries(pack):
+            assert records[key].pack == pack and records[key].offset == offset
 
 
 def fill(store, n: int, milestones=(), metric=None) -> None:
@@ -166,7 +171,7 @@ def _cas(*args):
 
 
 def test_cli_gc_keeps_last_five_and_milestones(store_path):
-    with cas.open(store_path, chunk_size=64 << 10, inline_max=4096) as store:
+    with cas.open(store_path, chunk_size=64 << 10, pack_max=4096) as store:
         fill(store, 20, milestones=(30, 70))
         before = sizes(store)
         keep = [30, 70, 160, 170, 180, 190, 200]

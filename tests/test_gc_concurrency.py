@@ -37,7 +37,7 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def open_store(path):
-    return cas.open(path, chunk_size=64 << 10, inline_max=4096)
+    return cas.open(path, chunk_size=64 << 10, pack_max=4096)
 
 
 def assert_loads(store, step: int, seeds: list[int]) -> None:

@@ -33,7 +33,7 @@ class StoreModel(RuleBasedStateMachine):
         self.next_step = 1
 
     def _open(self):
-        return cas.open(self.dir + "/s", chunk_size=64 << 10, inline_max=2048)
+        return cas.open(self.dir + "/s", chunk_size=64 << 10, pack_max=2048)
 
     @rule(picks=st.lists(st.integers(0, len(POOL) - 1), max_size=5), fresh=st.booleans(),
           milestone=st.booleans(), metric=st.integers(0, 9))

@@ -22,7 +22,7 @@ def state_of(seeds: list[int]) -> dict:
 
 
 def save(path: str, step: int, seeds: str) -> None:
-    with cas.open(path, chunk_size=64 << 10, inline_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         store.save(state_of([int(s) for s in seeds.split("+")]), step=step)
 
 
@@ -34,7 +34,7 @@ def gc(path: str, keep_last: str = "") -> None:
 
 def save_loop(path: str, first: int, count: int) -> None:
     """Save `count` steps, each reusing tensors of earlier steps (seeds overlap)."""
-    with cas.open(path, chunk_size=64 << 10, inline_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         for step in range(first, first + count):
             store.save(state_of([step % 5, step % 7 + 10, step]), step=step)
 

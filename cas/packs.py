@@ -1,0 +1,109 @@
+"""Pack files: many small encoded objects (manifest nodes, small chunks) in one immutable file.
+
+One file per small object would cost a create, an fsync and a rename each (a 500-tensor state
+has 500 tensor nodes); LMDB could hold them, but then losing the index would lose them. A pack
+is written once per save (more when it grows past PACK_TARGET), fsynced before the commit, and
+named by the blake3 of its bytes. It is self-describing, so the index can be rebuilt from packs
+and object files alone (`cas repair`):
+
+    magic  b"caspack1"                                     8 bytes
+    entry  key (32) | length (u32 LE) | encoded object      repeated
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterator
+
+from .errors import CorruptionError, MissingObjectError
+from .fsutil import atomic_write, fsync_dir
+from .hashing import KEY_SIZE, hash_bytes, to_hex
+
+PACK_MAGIC = b"caspack1"
+_ENTRY = struct.Struct("<32sI")
+PACK_TARGET = 16 << 20  # a writer starts a new pack past this many bytes
+MAX_PACK = 1 << 31
+
+
+class PackFiles:
+    """Immutable pack files under packs/ab/<64 hex digits>."""
+
+    def __init__(self, root: str, tmp_dir: str) -> None:
+        self.root = root
+        self.tmp_dir = tmp_dir
+
+    def path(self, pack: bytes) -> str:
+        name = to_hex(pack)
+        return os.path.join(self.root, name[:2], name)
+
+    def write(self, entries: list[tuple[bytes, bytes]]) -> tuple[bytes, list[tuple[bytes, int, int]]]:
+        """Write one pack durably; returns its key and (object key, offset, length) per entry."""
+        parts, placed, offset = [PACK_MAGIC], [], len(PACK_MAGIC)
+        for key, blob in entries:
+            parts.append(_ENTRY.pack(key, len(blob)))
+            parts.append(blob)
+            offset += _ENTRY.size
+            placed.append((key, offset, len(blob)))
+            offset += len(blob)
+        data = b"".join(parts)
+        pack = hash_bytes(data)
+        path = self.path(pack)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, [data], tmp_dir=self.tmp_dir)
+        fsync_dir(os.path.dirname(path))
+        fsync_dir(self.root)
+        return pack, placed
+
+    def read(self, pack: bytes, offset: int, length: int, key: bytes) -> bytes:
+        try:
+            with open(self.path(pack), "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise MissingObjectError(f"pack {to_hex(pack)} holding the object is missing", key=to_hex(key)) from None
+        if len(data) != length:
+            raise CorruptionError(f"pack {to_hex(pack)} is truncated", key=to_hex(key))
+        return data
+
+    def size(self, pack: bytes) -> int | None:
+        try:
+            return os.stat(self.path(pack)).st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, pack: bytes) -> None:
+        try:
+            os.unlink(self.path(pack))
+        except FileNotFoundError:
+            pass
+
+    def iterate(self) -> Iterator[bytes]:
+        if not os.path.isdir(self.root):
+            return
+        for fan in sorted(os.listdir(self.root)):
+            folder = os.path.join(self.root, fan)
+            if len(fan) != 2 or not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if len(name) == 2 * KEY_SIZE and name.startswith(fan):
+                    try:
+                        yield bytes.fromhex(name)
+                    except ValueError:
+                        continue
+
+    def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
+        """(object key, offset, length) of each entry, read from the pack itself (for repair).
+        Stops at the first entry that runs past the end of a truncated pack."""
+        path = self.path(pack)
+        size = os.stat(path).st_size
+        with open(path, "rb", buffering=0) as f:
+            if f.read(len(PACK_MAGIC)) != PACK_MAGIC:
+                raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
+            offset = len(PACK_MAGIC)
+            while offset + _ENTRY.size <= size:
+                key, length = _ENTRY.unpack(os.pread(f.fileno(), _ENTRY.size, offset))
+                offset += _ENTRY.size
+                if offset + length > size:
+                    return
+                yield key, offset, length
+                offset += length
