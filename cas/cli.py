@@ -19,11 +19,14 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 COMMANDS: dict[str, Callable] = {}
 
 
-def command(name: str, help: str, arguments: Callable | None = None, *, read_only: bool = False):
+def command(name: str, help: str, arguments: Callable | None = None, *, read_only: bool = False,
+            opens_store: bool = True):
     """Register `fn(store, args) -> exit status` as `cas NAME`; `arguments(parser)` adds its
-    flags. Commands may live in other modules that import this one."""
+    flags. With opens_store=False it gets the store's path instead (for repair, which must run
+    when the store cannot be opened). Commands may live in other modules that import this one."""
     def register(fn):
         fn.cli_name, fn.cli_help, fn.cli_arguments, fn.cli_read_only = name, help, arguments, read_only
+        fn.cli_opens_store = opens_store
         COMMANDS[name] = fn
         return fn
     return register
@@ -59,6 +62,7 @@ def _add_show(p) -> None:
 
 def _add_verify(p) -> None:
     p.add_argument("step", type=_step, nargs="?")
+    p.add_argument("--quick", action="store_true", help="check chunks for presence and size only")
     p.add_argument("--json", action="store_true")
 
 def _add_du(p) -> None:
@@ -132,18 +136,19 @@ def cmd_show(store, args) -> int:
 
 @command("verify", "check every object of one or all checkpoints against its hash", _add_verify, read_only=True)
 def cmd_verify(store, args) -> int:
-    report = store.verify(args.step)
+    report = store.verify(args.step, quick=args.quick)
     if args.json:
-        _emit_json({"ok": report.ok, "checked_checkpoints": report.checked_checkpoints,
+        _emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
+                    "whole_steps": report.whole_steps,
                     "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps})
     else:
         for p in report.problems:
             print(f"PROBLEM: {p}")
-        whole = [s for s in report.checked_checkpoints if s not in report.damaged_steps]
-        print(f"{'ok' if report.ok else 'DAMAGED'}: {len(report.checked_checkpoints)} checkpoints, "
-              f"{report.checked_objects} objects, {human(report.checked_bytes)} checked; "
-              f"{len(whole)} whole, {len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+        print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
+              f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
+              f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
+              f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
     return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
@@ -234,6 +239,22 @@ def cmd_gc(store, args) -> int:
 
 
 
+@command("repair", "rebuild the index and registry from the objects on disk (run with no writers)",
+         opens_store=False)
+def cmd_repair(path: str, args) -> int:
+    from .store.repair import repair
+
+    report = repair(path)
+    if report.moved_aside:
+        print(f"the damaged index was moved to {report.moved_aside}")
+    for item in report.skipped:
+        print(f"skipped: {item}")
+    print(f"rebuilt: {report.objects} objects in {report.packs} packs and object files; "
+          f"{len(report.checkpoints)} checkpoints {report.checkpoints}")
+    print("run `cas verify` to check every checkpoint")
+    return EXIT_OK
+
+
 @command("milestone", "mark a checkpoint as a milestone (or --unset)", _add_milestone)
 def cmd_milestone(store, args) -> int:
     ck = store.set_milestone(args.step, not args.unset)
@@ -263,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .api import Store
 
-        with Store(path, create=False, readonly=COMMANDS[args.command].cli_read_only) as store:
-            return COMMANDS[args.command](store, args)
+        fn = COMMANDS[args.command]
+        if not fn.cli_opens_store:
+            return fn(path, args)
+        with Store(path, create=False, readonly=fn.cli_read_only) as store:
+            return fn(store, args)
     except (CasError, OSError) as exc:
         print(f"cas: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -34,6 +34,10 @@ class CheckpointExistsError(CasError):
     """A checkpoint with that step is already committed; steps are never overwritten."""
 
 
+class StoreWriteError(CasError):
+    """Writing to the store failed (a full disk, say); nothing of that save was committed."""
+
+
 class StoreClosedError(CasError):
     """The store was used after close()."""
 

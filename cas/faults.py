@@ -4,6 +4,7 @@ Inert unless the environment variable CAS_FAULTS is set (tests only), as a comma
 of `point=action`:
   kill         SIGKILL this process at that point (a crash: no cleanup, no atexit)
   raise        raise InjectedFault there
+  enospc       raise OSError(ENOSPC) there, as a full disk would
   pause:PATH   create PATH + ".reached", then wait until PATH exists (lets a test interleave
                two processes deterministically)
 An action may be suffixed with `@N` to fire only on the N-th time the point is reached.
@@ -11,6 +12,7 @@ An action may be suffixed with `@N` to fire only on the N-th time the point is r
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -52,6 +54,8 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":
         raise InjectedFault(f"fault injected at {name}")
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected at {name})")
     elif action.startswith("pause:"):
         path = action[len("pause:"):]
         open(path + ".reached", "w").close()

@@ -62,7 +62,8 @@ def fsync_dir(path: str) -> None:
 def read_file(path: str, limit: int) -> bytes:
     """Read a whole file, refusing one larger than `limit` (a hostile or damaged file must not
     make us allocate without bound)."""
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink must not lead out of the store
+    with open(fd, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed")

@@ -89,7 +89,8 @@ class Index:
                                  map_size=map_size, max_dbs=16, max_readers=512,
                                  readahead=False, sync=True, metasync=True)
         except lmdb.Error as exc:
-            raise CasError(f"cannot open the store index at {path}: {exc}") from None
+            raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
+                           "from the objects on disk") from None
         self.tables = {}
         for name in _TABLES + tuple(extra_tables):
             try:

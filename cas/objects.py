@@ -64,7 +64,7 @@ class FileObjects:
             return read_file(path, MAX_OBJECT_FILE)
         except FileNotFoundError:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
-        except (ValueError, IsADirectoryError, PermissionError) as exc:
+        except (ValueError, OSError) as exc:  # too large, a directory, a symlink (ELOOP), unreadable
             raise MissingObjectError(f"object file cannot be read: {exc}", key=to_hex(key)) from None
 
     def head(self, key: bytes, nbytes: int) -> bytes:

@@ -126,6 +126,7 @@ class WriteSession:
         if size <= self.store.pack_max:
             self._add_small(key, b"".join(bytes(p) for p in parts), raw_size)
         else:
+            faults.point("session.before_file_write")
             self.store.files.put(key, parts)
             faults.point("session.file_written")
             with self._lock:

@@ -57,10 +57,15 @@ class PackFiles:
 
     def read(self, pack: bytes, offset: int, length: int, key: bytes) -> bytes:
         try:
-            with open(self.path(pack), "rb", buffering=0) as f:
-                data = os.pread(f.fileno(), length, offset)
+            fd = os.open(self.path(pack), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise MissingObjectError(f"pack {to_hex(pack)} holding the object is missing", key=to_hex(key)) from None
+        except OSError as exc:
+            raise MissingObjectError(f"pack {to_hex(pack)} cannot be read: {exc}", key=to_hex(key)) from None
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
         if len(data) != length:
             raise CorruptionError(f"pack {to_hex(pack)} is truncated", key=to_hex(key))
         return data

@@ -85,6 +85,7 @@ class Marker:
                 raise CasError(f"gc stopped before deleting anything of this pass: a manifest node is unreadable "
                                f"({exc}); run `cas verify` to see which checkpoints are damaged") from None
             self.live.add(key)
+            faults.point("gc.marking")
             refs, chunks = node_children(node)
             self.live.update(chunks)
             stack.extend(r for r in refs if r not in self.live)
@@ -208,6 +209,7 @@ def compact_packs(store, report: GcReport) -> None:
             elif len(live) < len(entries):
                 rewrite[pack] = live
     for pack, live in rewrite.items():
+        faults.point("gc.repack")
         _rewrite_pack(store, pack, live, report)
 
 

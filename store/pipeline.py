@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from cas import faults
 from cas.errors import CorruptionError
 from cas.hashing import hash_bytes
 from cas.objectstore import ObjectStore, WriteSession
@@ -56,6 +57,7 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
         for batch in _batches(_chunks(leaves), CLAIM_BATCH, max(window_bytes // 2, 1)):
             keys = list(pool.map(lambda c: hash_bytes(c[2]), batch))
             stored = session.claim(keys)
+            faults.point("save.hashed")
             for (leaf, i, view), key, present in zip(batch, keys, stored):
                 leaf.chunks[i] = key
                 if not present:

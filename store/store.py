@@ -15,7 +15,7 @@ import torch
 
 from cas import faults
 from cas.codecs import CodecPolicy
-from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, StoreClosedError
+from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, StoreClosedError, StoreWriteError
 from cas.hashing import hash_bytes
 from cas.index import Index
 from cas.objects import FileObjects
@@ -215,6 +215,13 @@ class Store:
         return _SaveJob(step, bool(milestone), metrics, meta, skeleton, leaves, time.time())
 
     def _write(self, job: "_SaveJob") -> Checkpoint:
+        try:
+            return self._write_objects(job)
+        except OSError as exc:
+            raise StoreWriteError(f"saving step {job.step} into {self.path} failed, nothing was committed: "
+                                  f"{exc.strerror or exc}") from exc
+
+    def _write_objects(self, job: "_SaveJob") -> Checkpoint:
         with self.objects.session(f"save step {job.step}") as session:
             pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes)
             faults.point("save.chunks_written")
@@ -385,11 +392,12 @@ class Store:
         return ck
 
     # --- inspection ---------------------------------------------------------------------
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Decode every object of one checkpoint (or all) and check it against its hash."""
+    def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
+        """Decode every object of one checkpoint (or all) and check it against its hash; with
+        quick=True check chunks for presence and size only."""
         self._check_open()
         cks = [self._resolve(step)] if step is not None else self.checkpoints()
-        return verify_checkpoints(self, cks)
+        return verify_checkpoints(self, cks, quick=quick)
 
     def stats(self) -> StoreStats:
         self._check_open()

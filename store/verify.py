@@ -1,10 +1,18 @@
-"""Verification: walk each checkpoint's Merkle tree and decode every object against its hash."""
+"""Verification: walk each checkpoint's Merkle tree and check every object it reaches.
+
+Full: every object (manifest nodes, chunks, delta bases) is read, decoded and checked against
+its hash. Quick: manifest nodes are still decoded (they are small and needed to walk the tree),
+but chunks are only checked for presence and size, for a fast daily check. Each object is
+checked once however many checkpoints share it; each problem names the object and every
+checkpoint and tensor path that depends on it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cas.errors import CorruptionError
+from cas.errors import CorruptionError, MissingObjectError
+from cas.index import WHERE_PACK
 
 
 @dataclass
@@ -20,6 +28,7 @@ class Problem:
 
 @dataclass
 class VerifyReport:
+    quick: bool = False
     checked_checkpoints: list[int] = field(default_factory=list)
     checked_objects: int = 0
     checked_bytes: int = 0
@@ -33,33 +42,55 @@ class VerifyReport:
     def damaged_steps(self) -> list[int]:
         return sorted({p.step for p in self.problems if p.step is not None})
 
+    @property
+    def whole_steps(self) -> list[int]:
+        damaged = set(self.damaged_steps)
+        return [s for s in self.checked_checkpoints if s not in damaged]
 
-def verify_checkpoints(store, checkpoints) -> VerifyReport:
-    """Decode every object reachable from each checkpoint once; report each failure with the
-    checkpoint and tensor path that depend on it."""
-    report = VerifyReport()
+
+def check_present(objects, key: bytes) -> int:
+    """Presence and size of an object from its index record, without reading it."""
+    rec = objects.record(key)
+    if rec is None:
+        raise MissingObjectError("object is not in the index", key=key.hex())
+    if rec.where == WHERE_PACK:
+        size = objects.packs.size(rec.pack)
+        if size is None:
+            raise MissingObjectError(f"pack {rec.pack.hex()} holding the object is missing", key=key.hex())
+        if rec.offset + rec.stored_size > size:
+            raise CorruptionError(f"pack {rec.pack.hex()} is shorter than the index says", key=key.hex())
+    else:
+        size = objects.files.has(key)
+        if size is None:
+            raise MissingObjectError("object file is missing", key=key.hex())
+        if size != rec.stored_size:
+            raise CorruptionError(f"object file has {size} bytes, the index says {rec.stored_size}", key=key.hex())
+    return rec.raw_size
+
+
+def verify_checkpoints(store, checkpoints, *, quick: bool = False) -> VerifyReport:
+    report = VerifyReport(quick=quick)
     verdict: dict[bytes, CorruptionError | None] = {}
 
-    def check(key: bytes, step: int, path: str | None) -> bool:
+    def check(key: bytes) -> CorruptionError | None:
         if key not in verdict:
             try:
-                raw = store.objects.get(key)
+                size = check_present(store.objects, key) if quick else store.objects.get(key).size
                 report.checked_objects += 1
-                report.checked_bytes += raw.size
+                report.checked_bytes += size
                 verdict[key] = None
             except CorruptionError as exc:
                 verdict[key] = exc
-        err = verdict[key]
-        if err is not None:
-            report.problems.append(Problem(err.key, step, path, err.detail))
-        return err is None
+        return verdict[key]
 
     for ck in checkpoints:
         report.checked_checkpoints.append(ck.step)
         try:
             for tensor in store.tensors(ck.step):
                 for key in tensor["chunks"]:
-                    check(key, ck.step, tensor["path"])
-        except CorruptionError as exc:  # a manifest node is damaged: the tree cannot be walked
-            report.problems.append(Problem(exc.key, ck.step, exc.path, exc.detail))
+                    err = check(key)
+                    if err is not None:
+                        report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
+        except CorruptionError as exc:  # a manifest node is damaged: the rest of this tree is unreachable
+            report.problems.append(Problem(exc.key, ck.step, exc.path, exc.detail + "; the checkpoint cannot be read"))
     return report

@@ -1,0 +1,137 @@
+"""Rebuild the index and the checkpoint registry from the objects on disk (`cas repair`).
+
+Object files and pack files are self-describing and commit nodes carry everything a registry
+record needs, so losing or damaging the LMDB index never loses a checkpoint. A damaged index
+folder is moved aside, never deleted. Run it while no other process writes to the store.
+What a rebuilt registry cannot know: `new_bytes` (set to 0) and pins and milestone changes
+made after a save, unless the old registry could still be read; checkpoints deleted but not
+yet collected come back (delete them again, then gc).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from dataclasses import dataclass, field
+
+from cas.codecs import decode_into, parse_header
+from cas.errors import CasError, CorruptionError
+from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
+from cas.objects import FileObjects
+from cas.packs import PackFiles
+
+from . import layout as L
+from .registry import TABLE as REGISTRY_TABLE
+from .registry import Checkpoint, Registry
+from .tree import parse_node
+
+
+@dataclass
+class RepairReport:
+    objects: int = 0
+    packs: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # damaged files and entries, by name
+    moved_aside: str | None = None  # where a damaged index was put
+
+
+def _open_or_replace_index(layout: L.Layout, report: RepairReport) -> tuple[Index, dict[int, Checkpoint]]:
+    """The existing index when it opens (its registry flags are kept), else a fresh one."""
+    try:
+        index = Index(layout.index, extra_tables=(REGISTRY_TABLE,))
+        with index.read() as txn:
+            old = {ck.step: ck for ck in Registry(index, layout.root).all(txn)}
+        return index, old
+    except (CasError, OSError) as exc:
+        if "index" in locals():
+            index.close()
+        report.skipped.append(f"index: {exc}")
+    if os.path.exists(layout.index):
+        report.moved_aside = f"{layout.index}.damaged-{int(time.time())}"
+        os.rename(layout.index, report.moved_aside)
+    os.makedirs(layout.index)
+    return Index(layout.index, create=True, extra_tables=(REGISTRY_TABLE,)), {}
+
+
+def _scan_packs(packs: PackFiles, records: dict, commits: list, report: RepairReport) -> None:
+    for pack in packs.iterate():
+        report.packs += 1
+        try:
+            for key, offset, length in packs.entries(pack):
+                blob = packs.read(pack, offset, length, key)
+                try:
+                    raw = decode_into(blob, key)  # every pack entry is small: check it whole
+                except CorruptionError as exc:
+                    report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
+                    continue
+                records[key] = ObjectRecord(WHERE_PACK, length, raw.size, pack, offset)
+                _note_commit(key, raw, commits)
+        except (CorruptionError, OSError) as exc:
+            report.skipped.append(f"pack {pack.hex()}: {exc}")
+
+
+def _note_commit(key: bytes, raw, commits: list) -> None:
+    """Commit nodes are small, so they always live in packs; any entry may be tried."""
+    try:
+        node = parse_node(raw.tobytes(), key)
+    except CorruptionError:
+        return
+    if node["k"] == "commit":
+        commits.append((key, node))
+
+
+def _scan_files(files: FileObjects, records: dict, report: RepairReport) -> None:
+    for key in files.iterate():
+        if key in records:
+            continue
+        try:
+            head = parse_header(files.head(key, 64), key=key)
+            records[key] = ObjectRecord(WHERE_FILE, files.has(key) or 0, head.raw_size)
+        except (CorruptionError, OSError) as exc:
+            report.skipped.append(f"object {key.hex()}: {exc}")
+
+
+def _checkpoints(commits: list, old: dict[int, Checkpoint]) -> list[Checkpoint]:
+    newest: dict[int, tuple[bytes, dict]] = {}
+    for key, node in commits:
+        if node["step"] not in newest or node["created"] > newest[node["step"]][1]["created"]:
+            newest[node["step"]] = (key, node)
+    out = []
+    for step, (key, node) in sorted(newest.items()):
+        prev = old.get(step)
+        same = prev is not None and prev.id == key.hex()
+        out.append(Checkpoint(step=step, id=key.hex(),
+                              created=_dt.datetime.fromtimestamp(node["created"], _dt.timezone.utc),
+                              milestone=prev.milestone if same else bool(node.get("milestone")),
+                              metrics=dict(node.get("metrics") or {}), meta=dict(node.get("meta") or {}),
+                              logical_bytes=int(node.get("logical_bytes", 0)),
+                              new_bytes=prev.new_bytes if same else 0, pinned=prev.pinned if same else False))
+    return out
+
+
+def repair(path: str) -> RepairReport:
+    layout = L.Layout(os.path.abspath(path))
+    L.read_config(layout)  # only a store is repaired
+    report = RepairReport()
+    index, old = _open_or_replace_index(layout, report)
+    try:
+        records: dict[bytes, ObjectRecord] = {}
+        commits: list = []
+        _scan_packs(PackFiles(layout.packs, layout.tmp), records, commits, report)
+        _scan_files(FileObjects(layout.objects, layout.tmp), records, report)
+        cks = _checkpoints(commits, old)
+        registry = Registry(index, layout.root)
+        with index.write() as txn:
+            for name in ("objects", "leases", "holds", REGISTRY_TABLE):
+                txn.drop(index.db(name), delete=False)
+            for key, rec in records.items():
+                index.put_record(txn, key, rec)
+            for ck in cks:
+                registry.add(txn, ck)
+            index.bump_generation(txn)
+        report.objects = len(records)
+        report.checkpoints = [ck.step for ck in cks]
+    finally:
+        index.close()
+    return report
