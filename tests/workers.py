@@ -26,6 +26,11 @@ def save(path: str, step: int, seeds: str) -> None:
         store.save(state_of([int(s) for s in seeds.split("+")]), step=step)
 
 
+def save_async(path: str, step: int, seeds: str) -> None:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        store.save_async(state_of([int(s) for s in seeds.split("+")]), step=step).result()
+
+
 def gc(path: str, keep_last: str = "") -> None:
     with cas.open(path, chunk_size=64 << 10) as store:
         report = store.gc(keep_last=int(keep_last)) if keep_last else store.gc()
@@ -41,5 +46,5 @@ def save_loop(path: str, first: int, count: int) -> None:
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    fn = {"save": save, "gc": gc, "save_loop": save_loop}[cmd]
+    fn = {"save": save, "save_async": save_async, "gc": gc, "save_loop": save_loop}[cmd]
     fn(*[int(a) if a.isdigit() and fn is not gc else a for a in args])
