@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from .gc import GcReport, Retention, collect
-from .store import Checkpoint
+from .gc import GcReport, Marker, Retention, collect
+from .store import Checkpoint, interop
 from .store import Store as CheckpointStore
 
 
@@ -39,6 +39,36 @@ class Store(CheckpointStore):
 
     def unpin(self, step: int) -> Checkpoint:
         return self.set_pinned(step, False)
+
+    def export(self, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
+               progress: interop.Progress | None = None) -> interop.ExportReport:
+        """Write checkpoint `step`'s tensors to one safetensors file for serving or evaluation.
+        A weights-only export, NOT a training checkpoint (see cas.store.interop.export)."""
+        self._check_open()
+        return interop.export(self, step, path, keys=keys, relative=relative, progress=progress)
+
+    def import_file(self, path: str | os.PathLike, *, step: int | None = None) -> Checkpoint:
+        """Save a .safetensors or torch.save file (read with torch.load(weights_only=True) only)
+        as checkpoint `step`, by default the last number in the file's name."""
+        self._check_open()
+        return interop.import_file(self, path, step=step)
+
+    def import_folder(self, folder: str | os.PathLike, *,
+                      progress: interop.Progress | None = None) -> interop.FolderImport:
+        """Import a folder of checkpoint files, one per step, each step from the file's name."""
+        self._check_open()
+        return interop.import_folder(self, folder, progress=progress)
+
+    def diff(self, a: int, b: int, *, progress: interop.Progress | None = None) -> interop.DiffReport:
+        """Per tensor path, what changed from checkpoint `a` to `b`, and the stored bytes they share."""
+        self._check_open()
+        return interop.diff(self, a, b, Marker, progress=progress)
+
+    def exclusive_bytes(self, checkpoints: list[Checkpoint] | None = None, *,
+                        progress: interop.Progress | None = None) -> dict[int, int]:
+        """Per step, the stored bytes only that checkpoint references: what deleting it would free."""
+        self._check_open()
+        return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)
 
     def _after_commit(self, ck: Checkpoint) -> None:
         if self.retention is not None:

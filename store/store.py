@@ -15,7 +15,8 @@ import torch
 
 from cas import faults
 from cas.codecs import CodecPolicy
-from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, StoreClosedError, StoreWriteError
+from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StoreClosedError,
+                        StoreWriteError)
 from cas.hashing import hash_bytes
 from cas.index import Index
 from cas.objects import FileObjects
@@ -205,6 +206,8 @@ class Store:
     def _prepare(self, state, step, milestone, metrics, meta) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
         metrics = _checked_metrics(metrics)
         meta = _checked_meta(meta)

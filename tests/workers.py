@@ -44,7 +44,36 @@ def save_loop(path: str, first: int, count: int) -> None:
             store.save(state_of([step % 5, step % 7 + 10, step]), step=step)
 
 
+def load_loop(path: str, seconds: str) -> None:
+    """Load the latest checkpoint over and over while another process commits new ones; every
+    load must be a whole checkpoint, bit for bit."""
+    import time
+
+    deadline = time.monotonic() + float(seconds)
+    loads = 0
+    with cas.open(path, create=False) as store:
+        while time.monotonic() < deadline:
+            ck = store.latest()
+            if ck is None:
+                continue
+            loaded = store.load(ck.step)
+            for k, t in state_of([ck.step % 5, ck.step % 7 + 10, ck.step]).items():
+                if not torch.equal(loaded[k], t):
+                    raise SystemExit(f"step {ck.step} tensor {k} differs")
+            loads += 1
+    print(loads)
+
+
+def load_all(path: str) -> None:
+    """Open (read-only when the files say so) and load every checkpoint."""
+    with cas.open(path, create=False) as store:
+        for ck in store.checkpoints():
+            store.load(ck.step)
+        print(len(store.checkpoints()), store.readonly)
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    fn = {"save": save, "save_async": save_async, "gc": gc, "save_loop": save_loop}[cmd]
-    fn(*[int(a) if a.isdigit() and fn is not gc else a for a in args])
+    fn = {"save": save, "save_async": save_async, "gc": gc, "save_loop": save_loop, "load_loop": load_loop,
+          "load_all": load_all}[cmd]
+    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_loop) else a for a in args])

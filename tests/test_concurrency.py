@@ -1,0 +1,80 @@
+"""Real processes sharing one store: concurrent writers, a reader during commits, a read-only store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_gc import assert_exactly_reachable
+from workers import state_of
+
+import cas
+
+WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
+
+
+def spawn(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKERS, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return out
+
+
+def test_two_processes_save_different_steps_at_the_same_time(tmp_path):
+    path = tmp_path / "s"
+    cas.open(path, chunk_size=64 << 10).close()
+    a, b = spawn("save_loop", path, 0, 12), spawn("save_loop", path, 100, 12)  # overlapping tensors
+    finish(a), finish(b)
+    with cas.open(path) as store:
+        steps = [ck.step for ck in store.checkpoints()]
+        assert steps == list(range(12)) + list(range(100, 112))
+        for step in steps:
+            loaded = store.load(step)
+            for k, t in state_of([step % 5, step % 7 + 10, step]).items():
+                assert torch.equal(loaded[k], t)
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
+def test_a_reader_loads_whole_checkpoints_while_a_writer_commits(tmp_path):
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.save(state_of([0, 10, 0]), step=0)
+    reader = spawn("load_loop", path, 6)
+    writer = spawn("save_loop", path, 1, 40)
+    finish(writer)
+    loads = int(finish(reader))
+    assert loads > 5
+
+
+def test_a_store_on_a_read_only_filesystem_is_opened_read_only_for_loading(tmp_path):
+    """The store's files cannot be written (a read-only bind mount: even root gets EROFS); a
+    process opens it read-only, loads every checkpoint, and writes are refused by name."""
+    path, view = tmp_path / "s", tmp_path / "ro"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.save(state_of([1, 2]), step=1)
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(view)], capture_output=True).returncode:
+        pytest.skip("cannot make a read-only bind mount here (needs root)")
+    try:
+        if os.access(view, os.W_OK):
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True)
+        if os.access(view, os.W_OK):
+            pytest.skip("the bind mount did not become read-only")
+        out = finish(spawn("load_all", view))
+        assert out.split() == ["1", "True"]
+        with cas.open(view) as store:
+            with pytest.raises(cas.ReadOnlyStoreError):
+                store.save(state_of([3]), step=2)
+            with pytest.raises(cas.ReadOnlyStoreError):
+                store.delete(1)
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True)

@@ -1,0 +1,160 @@
+"""Hostile and damaged input: random bytes and mutations of valid objects and manifests, damaged
+manifest nodes and index, odd names and symlinks. Each gets one of our errors, in bounded time and
+memory, changes nothing, and never yields wrong data."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cas
+from cas.codecs import CodecPolicy, decode_into
+from cas.errors import CasError, CorruptionError
+from cas.hashing import hash_bytes
+from cas.index import WHERE_PACK
+from cas.store.tree import parse_node
+from cas.store.values import pack, unpack
+
+RAW = np.random.default_rng(0).standard_normal(5000).astype(np.float32).view(np.uint8)
+KEY = hash_bytes(RAW)
+ENCODED = b"".join(bytes(p) for p in CodecPolicy().encode(RAW, 4))
+NODE = pack({"k": "tensor", "lib": "torch", "dtype": "float32", "shape": [5000], "chunk": 1 << 20, "chunks": [KEY]})
+
+
+def mutate(data: bytes, edits) -> bytes:
+    out = bytearray(data)
+    for pos, value in edits:
+        if out:
+            out[pos % len(out)] = value
+    return bytes(out)
+
+
+@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=2000) | st.builds(mutate, st.just(ENCODED), st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8))
+       | st.builds(lambda n: ENCODED[:n], st.integers(0, len(ENCODED) - 1)))
+def test_decoder_raises_our_errors_or_returns_the_exact_bytes(data):
+    try:
+        out = decode_into(data, KEY)
+    except CasError:
+        return
+    assert out.tobytes() == RAW.tobytes()  # only a mutation that left the content intact decodes
+
+
+@settings(max_examples=300, deadline=2000)
+@given(data=st.binary(max_size=500) | st.builds(mutate, st.just(NODE), st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6)))
+def test_manifest_reader_raises_our_errors_on_anything_malformed(data):
+    try:
+        node = parse_node(data, hash_bytes(data))
+    except CasError:
+        return
+    assert node["k"] in ("tensor", "value", "commit")
+
+
+@pytest.mark.parametrize("bomb", [
+    b"\xdd\xff\xff\xff\xff",  # array of 4 billion items, no bytes behind
+    b"\xdf\xff\xff\xff\xff",  # map of 4 billion entries
+    b"\xc6\xff\xff\xff\xff",  # 4 GiB binary
+    b"\x91" * 100_000 + b"\xc0",  # nesting 100k deep
+    msgpack.packb(msgpack.ExtType(2, msgpack.packb(msgpack.ExtType(2, b"\x91" * 5000)))),
+    msgpack.packb(msgpack.ExtType(3, b"\x01" * 100_000)),  # an absurd big integer
+    msgpack.packb(msgpack.ExtType(99, b"")),  # unknown extension
+    msgpack.packb(msgpack.ExtType(1, b"short")),  # a reference of the wrong length
+])
+def test_msgpack_bombs_are_refused(bomb):
+    with pytest.raises(CorruptionError):
+        unpack(bomb)
+
+
+@pytest.mark.parametrize("header", [
+    b"caso\x01\x02" + (2**62).to_bytes(8, "little") + b"\x02\x01\x01\x04",  # absurd raw size
+    b"caso\x01\x09" + (10).to_bytes(8, "little"),  # too many stages
+    b"caso\x01\x01" + (10).to_bytes(8, "little") + b"\x07\x00",  # unknown codec stage
+    b"caso\x63\x00" + (10).to_bytes(8, "little"),  # a newer object format
+    b"nope" * 10,
+])
+def test_absurd_object_headers_are_refused(header):
+    with pytest.raises(CasError):
+        decode_into(header + b"\x00" * 32, KEY)
+
+
+def _saved(store):
+    g = torch.Generator().manual_seed(0)
+    store.save({"big": torch.randn(64, 1024, generator=g), "small": torch.arange(10)}, step=1)
+    store.save({"other": torch.randn(64, 1024, generator=g)}, step=2)
+
+
+def test_damaged_manifest_node_is_named_and_other_checkpoints_load(store):
+    _saved(store)
+    root = store.get(1).key  # step 1's commit node lives in a pack
+    rec = store.objects.record(root)
+    assert rec.where == WHERE_PACK
+    path = store.objects.packs.path(rec.pack)
+    data = bytearray(open(path, "rb").read())
+    data[rec.offset + rec.stored_size // 2] ^= 0xFF
+    os.chmod(path, 0o644)
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptionError) as info:
+        store.load(1)
+    assert root.hex() in str(info.value) and "step 1" in str(info.value)
+    report = store.verify()
+    assert report.damaged_steps == [1] and report.whole_steps == [2]
+    assert torch.is_tensor(store.load(2)["other"])
+
+
+def test_object_names_that_are_not_hex_are_ignored(store):
+    _saved(store)
+    junk = os.path.join(store.layout.objects, "zz")
+    os.makedirs(junk)
+    open(os.path.join(junk, "z" * 64), "w").close()
+    open(os.path.join(store.layout.objects, "README"), "w").close()
+    assert all(len(k) == 32 for k in store.objects.files.iterate())
+    assert store.verify().ok
+    report = store.gc()
+    assert os.path.exists(os.path.join(junk, "z" * 64))  # not ours: never deleted
+    assert report.objects_swept == 0
+
+
+def test_symlink_out_of_the_store_is_not_followed(store, tmp_path):
+    _saved(store)
+    key = store.tensors(1)[0]["chunks"][0]
+    path = store.objects.files.path(key)
+    outside = tmp_path / "outside"
+    os.replace(path, outside)  # the real bytes now sit outside, behind a link
+    os.symlink(outside, path)
+    with pytest.raises(cas.MissingObjectError, match="cannot be read"):
+        store.load(1)
+    assert not store.verify(1).ok
+
+
+def test_damaged_index_is_refused_then_repaired(store_path):
+    with cas.open(store_path, chunk_size=64 << 10, pack_max=4096) as store:
+        _saved(store)
+        expected = store.load(1)
+    with open(os.path.join(store_path, "index", "data.mdb"), "r+b") as f:
+        f.write(b"\x00" * 8192)  # both meta pages gone
+    with pytest.raises(CasError, match="cas repair"):
+        cas.open(store_path)
+    from cas.store.repair import repair
+    report = repair(store_path)
+    assert report.moved_aside and report.checkpoints == [1, 2]
+    with cas.open(store_path) as store:
+        assert store.verify().ok
+        assert torch.equal(store.load(1)["big"], expected["big"])
+
+
+def test_lmdb_record_damage_is_reported_by_name(store):
+    _saved(store)
+    key = store.tensors(1)[0]["chunks"][0]
+    with store.index.write() as txn:
+        txn.put(key, b"\x07garbage", db=store.index.db("objects"))
+    with pytest.raises(CasError, match="cas repair"):
+        store.load(1)
