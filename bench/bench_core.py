@@ -65,6 +65,7 @@ SWEEP_CHUNKS = (1 * MiB, 4 * MiB, 16 * MiB)
 INCREMENTAL_SAVES = 10
 CHANGED_FRACTION = 0.10
 WORKERS = 2  # thread pool width of the breakdown (the machine has 2 cores)
+NOISY_PCT = 10  # other processes' share of the CPU above which a section is flagged
 SMALL_OBJECT_MAX = 64 << 10  # cas keeps encoded objects up to this size out of files of their own
 
 # (label, key of the measured ratio, comparison, limit). Ratios are cas / torch for time and
@@ -462,6 +463,11 @@ def encoded_chunks(state, chunk_size: int) -> list[tuple]:
     return out
 
 
+def encoded_parts(encoded) -> list:
+    """The [header, payload] parts of CodecPolicy.encode's result (a list, or an object holding it)."""
+    return getattr(encoded, "parts", encoded)
+
+
 def size(parts) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
@@ -477,7 +483,7 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
             return list(pool.map(lambda c: hash_bytes(c[0]), chunks))
 
         def encode_all(_):
-            return list(pool.map(lambda c: policy.encode(c[0], c[1]), chunks))
+            return list(pool.map(lambda c: encoded_parts(policy.encode(c[0], c[1])), chunks))
 
         def fresh_folder():
             remove(folder)
@@ -633,7 +639,7 @@ def print_rows(title: str, rows: list[Row], ratio_note: str, timed: bool = True)
     print(f"  ({ratio_note})")
 
 
-def print_sweep(rows: list[dict]) -> None:
+def print_sweep(rows: list[dict], note: str) -> None:
     print(f"\n5. Chunk-size sweep, cas default codec (1 repetition each after the warm-up; cold load; "
           f"incremental saves and bytes of base + {INCREMENTAL_SAVES} incremental saves)")
     print(f"  {'chunk':>6} {'full save':>10} {'GB/s':>6} {'on disk':>11} {'cold load':>10} {'GB/s':>6} "
@@ -642,7 +648,7 @@ def print_sweep(rows: list[dict]) -> None:
         print(f"  {r['chunk_MiB']:>3} MiB {fmt_s(r['save_s']):>10} {r['save_GBps']:>6.2f} {fmt_b(r['full_disk_bytes']):>11} "
               f"{fmt_s(r['load_s']):>10} {r['load_GBps']:>6.2f} {fmt_s(r['incremental_min_s']):>10} "
               f"{fmt_s(r['incremental_median_s']):>10} {fmt_b(r['disk_bytes_after_chain']):>12} {fmt_x(r['vs_torch_files']):>9}")
-    print(f"  (vs torch: store size after the chain / {INCREMENTAL_SAVES + 1} torch.save files)")
+    print(f"  (vs torch: store size after the chain / {INCREMENTAL_SAVES + 1} torch.save files; {note})")
 
 
 def print_targets() -> None:
@@ -724,7 +730,57 @@ class CpuNoise:
                 "steal_pct": (steal1 - steal0) / hz * pct}
 
 
+def busy_note(busy: dict) -> str:
+    """How much CPU other processes took during a section, flagged when it skews the figures."""
+    text = f"other processes took {busy['other_user_pct']:.0f}% of the CPU meanwhile"
+    return text + (" -- NOISY, rerun on a quiet machine" if busy["other_user_pct"] > NOISY_PCT else "")
+
+
+def sectioned(fn, *args):
+    """Run one section; returns (its result, CpuNoise of the time it ran)."""
+    noise = CpuNoise()
+    out = fn(*args)
+    return out, noise.result()
+
+
 # --- main ---------------------------------------------------------------------------------------
+def run_sections(s: Settings, state, mutator: Mutator, scratch: str) -> dict:
+    """Every section, printed as it completes; returns the rows and figures for the JSON."""
+    nbytes = tensor_bytes(state)
+    formats = [TorchSave(state), Safetensors(state), DCP(state),
+               CasFormat(state, compress=True), CasFormat(state, compress=False)]
+    saves, busy = sectioned(section_full_save, formats, scratch, s, nbytes)
+    print_rows("1. Full save (durable)", saves, "time and bytes ratios against torch.save + fsync; " + busy_note(busy))
+    breakdown, busy = sectioned(section_breakdown, state, scratch, s, nbytes, saves[3])
+    print_rows("1b. Where the default-codec cas save goes (each stage alone, same 4 MiB chunks)", breakdown,
+               "time ratio against the measured cas save; 'on disk' = encoded bytes; " + busy_note(busy))
+    (loads, correct), busy = sectioned(section_load, formats, scratch, s, nbytes, state, (formats[0], formats[3]))
+    exact = ("every result bit-exact" if all(correct.values())
+             else "NOT bit-exact: " + ", ".join(k for k, ok in correct.items() if not ok))
+    print_rows("2. Load (cold unless marked; every result checked bit-exact against the state)", loads,
+               f"time ratio against cold torch.load; {exact}; {busy_note(busy)}")
+    for fmt in formats:
+        remove(os.path.join(scratch, fmt.target))
+    (incr_times, incr_sizes, incr_run), busy = sectioned(section_incremental, state, scratch, mutator,
+                                                         saves[0].disk_bytes)
+    print_rows(f"3. Incremental save, {mutator.fraction:.1%} of tensor bytes changed ({INCREMENTAL_SAVES} saves, "
+               f"each into a store holding the previous checkpoint)", incr_times,
+               "time ratio against torch.save + fsync of the same state, measured right after each cas save; "
+               + busy_note(busy))
+    print_rows(f"4. Stored bytes after {INCREMENTAL_SAVES} incremental saves", incr_sizes,
+               "bytes ratio: cas row against the torch row above it", timed=False)
+    sweep, busy = sectioned(section_sweep, state, scratch, s, mutator, saves[0].disk_bytes)
+    print_sweep(sweep, busy_note(busy))
+    return {"targets": verdicts(saves, loads, incr_times),
+            "full_save": [asdict(r) for r in saves],
+            "save_breakdown": [asdict(r) for r in breakdown],
+            "load": [asdict(r) for r in loads],
+            "incremental": [asdict(r) for r in incr_times],
+            "incremental_bytes": [asdict(r) for r in incr_sizes],
+            "incremental_run": incr_run,
+            "chunk_sweep": sweep}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~256 MiB state, one repetition (smoke test)")
@@ -733,81 +789,43 @@ def main() -> None:
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    started = time.perf_counter()
-    meta = machine()
-    noise = CpuNoise()
+    started, noise, meta = time.perf_counter(), CpuNoise(), machine()
     probe_start = cpu_probe()
 
     log("building the model and running AdamW steps")
     t0 = time.perf_counter()
     model, opt, state = build_state(s)
     build_s = time.perf_counter() - t0
-    nbytes = tensor_bytes(state)
-    ntensors = sum(1 for _ in iter_tensors(state))
+    nbytes, ntensors = tensor_bytes(state), sum(1 for _ in iter_tensors(state))
     params = sum(p.numel() for p in model.parameters())
     mutator = Mutator(model, opt, CHANGED_FRACTION)
-    header = (f"cas core benchmark{' (--quick)' if args.quick else ''}: state {nbytes / GiB:.3f} GiB "
-              f"({nbytes / GB:.2f} GB) in {ntensors} tensors: GPT {params / 1e6:.1f} M params\n"
-              f"(vocab {s.vocab}, d {s.dim}, {s.layers} layers, fp32) + AdamW exp_avg/exp_avg_sq after "
-              f"{s.train_steps} steps. Min and median of {s.reps} run(s) after {s.warmup} warm-up.")
-    print(header)
+    print(f"cas core benchmark{' (--quick)' if args.quick else ''}: state {nbytes / GiB:.3f} GiB "
+          f"({nbytes / GB:.2f} GB) in {ntensors} tensors: GPT {params / 1e6:.1f} M params\n"
+          f"(vocab {s.vocab}, d {s.dim}, {s.layers} layers, fp32) + AdamW exp_avg/exp_avg_sq after "
+          f"{s.train_steps} steps. Min and median of {s.reps} run(s) after {s.warmup} warm-up.")
     print_targets()
 
     scratch = tempfile.mkdtemp(prefix="cas-bench-core-", dir="/tmp")
     try:
-        formats = [TorchSave(state), Safetensors(state), DCP(state),
-                   CasFormat(state, compress=True), CasFormat(state, compress=False)]
-        saves = section_full_save(formats, scratch, s, nbytes)
-        print_rows("1. Full save (durable)", saves, "time and bytes ratios against torch.save + fsync")
-        breakdown = section_breakdown(state, scratch, s, nbytes, saves[3])
-        print_rows("1b. Where the default-codec cas save goes (each stage alone, same 4 MiB chunks)", breakdown,
-                   "time ratio against the measured cas save; 'on disk' = encoded bytes")
-        loads, correct = section_load(formats, scratch, s, nbytes, state, warm=(formats[0], formats[3]))
-        print_rows("2. Load (cold unless marked; every result checked bit-exact against the state)", loads,
-                   "time ratio against cold torch.load; "
-                   + ("every result bit-exact" if all(correct.values())
-                      else "NOT bit-exact: " + ", ".join(k for k, ok in correct.items() if not ok)))
-        for fmt in formats:
-            remove(os.path.join(scratch, fmt.target))
-        incr_times, incr_sizes, incr_run = section_incremental(state, scratch, mutator, saves[0].disk_bytes)
-        print_rows(f"3. Incremental save, {mutator.fraction:.1%} of tensor bytes changed ({INCREMENTAL_SAVES} saves, "
-                   f"each into a store holding the previous checkpoint)", incr_times,
-                   "time ratio against torch.save + fsync of the same state, measured right after each cas save")
-        print_rows(f"4. Stored bytes after {INCREMENTAL_SAVES} incremental saves", incr_sizes,
-                   "bytes ratio: cas row against the torch row above it", timed=False)
-        sweep = section_sweep(state, scratch, s, mutator, saves[0].disk_bytes)
-        print_sweep(sweep)
+        report = run_sections(s, state, mutator, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    results = verdicts(saves, loads, incr_times)
-    print_verdicts(results)
+    print_verdicts(report["targets"])
     wall = time.perf_counter() - started
     probe_end, busy = cpu_probe(), noise.result()
     meta.update(loadavg_end=os.getloadavg(), wall_s=wall, build_s=build_s, cpu_probe_start_GBps=probe_start,
-                cpu_probe_end_GBps=probe_end, **busy)
+                cpu_probe_end_GBps=probe_end, **busy, quick=args.quick, settings=asdict(s), state_bytes=nbytes,
+                tensors=ntensors, params=params, changed_fraction=mutator.fraction, changed_tensors=mutator.names)
     print(f"\nmachine during the run: CPU probe (1-thread bytegroup+zstd-1, 4 MiB) {probe_start:.2f} GB/s at start, "
           f"{probe_end:.2f} GB/s at end; CPU taken outside this process: user {busy['other_user_pct']:.0f}%, "
           f"kernel {busy['other_kernel_pct']:.0f}% (I/O threads), steal {busy['steal_pct']:.0f}% of the machine")
-    print(f"wall time {wall:.0f} s (model build + 2 AdamW steps {build_s:.1f} s); "
+    print(f"wall time {wall:.0f} s (model build + {s.train_steps} AdamW steps {build_s:.1f} s); "
           f"each incremental save changes {len(mutator.names)} parameters and their AdamW state "
           f"({mutator.names[-1]} .. {mutator.names[0]})")
-
-    report = {
-        "meta": {**meta, "quick": args.quick, "settings": asdict(s), "state_bytes": nbytes, "tensors": ntensors,
-                 "params": params, "changed_fraction": mutator.fraction, "changed_tensors": mutator.names},
-        "targets": results,
-        "full_save": [asdict(r) for r in saves],
-        "save_breakdown": [asdict(r) for r in breakdown],
-        "load": [asdict(r) for r in loads],
-        "incremental": [asdict(r) for r in incr_times],
-        "incremental_bytes": [asdict(r) for r in incr_sizes],
-        "incremental_run": incr_run,
-        "chunk_sweep": sweep,
-    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump({"meta": meta, **report}, f, indent=1)
     print(f"figures written to {args.out}")
 
 

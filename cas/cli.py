@@ -87,21 +87,24 @@ def _add_milestone(p) -> None:
 
 
 # --- commands ------------------------------------------------------------------------------
-@command("ls", "list checkpoints", _add_ls, read_only=True)
+@command("ls", "list checkpoints; 'exclusive' is the stored bytes only that checkpoint holds "
+         "(what deleting it would free)", _add_ls, read_only=True)
 def cmd_ls(store, args) -> int:
     cks = store.checkpoints()
+    exclusive = cli_interop.exclusive_column(store, cks, args)  # what deleting each would free
     if args.json:
-        _emit_json([ck.to_json() for ck in cks])
+        _emit_json([dict(ck.to_json(), exclusive_bytes=exclusive.get(ck.step)) for ck in cks])
         return EXIT_OK
     if not cks:
         print(f"no checkpoints in {store.path}")
         return EXIT_OK
-    print(f"{'step':>10}  {'created (UTC)':19}  {'flags':5}  {'logical':>10}  {'new':>10}  metrics")
+    print(f"{'step':>10}  {'created (UTC)':19}  {'flags':5}  {'logical':>10}  {'new':>10}  {'exclusive':>10}  metrics")
     for ck in cks:
         flags = ("M" if ck.milestone else "-") + ("P" if ck.pinned else "-")
         metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in ck.metrics.items())
+        only = human(exclusive[ck.step]) if ck.step in exclusive else "?"
         print(f"{ck.step:>10}  {ck.created:%Y-%m-%d %H:%M:%S}  {flags:5}  {human(ck.logical_bytes):>10}  "
-              f"{human(ck.new_bytes):>10}  {metrics}")
+              f"{human(ck.new_bytes):>10}  {only:>10}  {metrics}")
     return EXIT_OK
 
 
@@ -265,6 +268,7 @@ def cmd_milestone(store, args) -> int:
 
 
 
+from . import cli_interop  # noqa: F401,E402
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cas", description="Content-addressed checkpoint store.")
     parser.add_argument("--store", help="store folder (default: $CAS_STORE, else the current folder)")

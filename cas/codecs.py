@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import zstandard
@@ -25,7 +26,9 @@ _STAGE = struct.Struct("<BB")  # stage id, stage argument
 
 STAGE_BYTEGROUP = 1  # argument: element size; byte k of every element, for k = 0..size-1
 STAGE_ZSTD = 2  # argument: the level it was written with (informational)
-STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd"}
+STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows the stage entry
+STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor"}
+DELTA_MARGIN = 0.9  # a delta is kept only when its sample codes to under 90% of the plain sample
 
 MAX_OBJECT_RAW = 1 << 31  # refuse headers that claim more; chunks and nodes are far smaller
 MAX_STAGES = 4
@@ -53,11 +56,12 @@ def _zstd_d() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _scratch(nbytes: int) -> np.ndarray:
+def _scratch(nbytes: int, slot: str = "scratch") -> np.ndarray:
     """A per-thread reusable byte buffer: fresh large allocations are slow on this kind of VM."""
-    buf = getattr(_local, "scratch", None)
+    buf = getattr(_local, slot, None)
     if buf is None or buf.size < nbytes:
-        buf = _local.scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        setattr(_local, slot, buf)
     return buf[:nbytes]
 
 
@@ -81,42 +85,72 @@ def ungroup_bytes(grouped: np.ndarray, element_size: int, out: np.ndarray) -> np
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """An encoded object: [header, payload] parts (written without concatenating), and the key
+    of the base object when it was coded as a delta."""
+
+    parts: list
+    base: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+
+@dataclass(frozen=True)
 class CodecPolicy:
     """How new objects are encoded. Recorded per object in its header, so it may change freely."""
 
     compress: bool = True
     level: int = 1  # measured: after byte grouping level 3 is no smaller and 1.3-1.9x slower
 
-    def encode(self, raw, element_size: int = 1) -> list:
-        """Encode raw bytes; returns [header, payload] so a writer can avoid a concatenation.
-
-        `element_size` > 1 asks for byte grouping (floating dtypes). Falls back to raw storage
-        when a sample shows the data does not compress.
-        """
+    def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None) -> Encoded:
+        """Encode raw bytes. `element_size` > 1 asks for byte grouping (floating dtypes). With
+        `base` = (key, raw bytes of the same size), the XOR against it is coded instead when a
+        sample says that is smaller by a margin. Raw storage when nothing compresses."""
         view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
         n = view.size
         if not self.compress or n == 0:
-            return [_header(n, ()), view]
+            return Encoded([_header(n, ()), view])
         group = element_size if element_size > 1 and n % element_size == 0 else 0
-        if n > 2 * SAMPLE_BYTES and not self._sample_pays(view, group):
-            return [_header(n, ()), view]
-        data = group_bytes(view, group, _scratch(n)) if group else view
-        packed = _zstd_c(self.level).compress(data)
+        sampled = n > 2 * SAMPLE_BYTES
+        plain_sample = self._sample_size(view, group) if sampled or base is not None else None
+        if base is not None and base[1].size == n:
+            delta_sample = self._sample_size(view, group, base[1])
+            if delta_sample < DELTA_MARGIN * plain_sample:
+                xored = np.bitwise_xor(view, base[1], out=_scratch(n, "xor"))
+                packed = self._pack(xored, group)
+                if len(packed) < n:
+                    stages = ((STAGE_XOR, 0),) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
+                    return Encoded([_header(n, stages, base[0]), packed], base[0])
+        if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
+            return Encoded([_header(n, ()), view])
+        packed = self._pack(view, group)
         if len(packed) >= n:
-            return [_header(n, ()), view]
-        stages = ((STAGE_BYTEGROUP, group),) if group else ()
-        return [_header(n, stages + ((STAGE_ZSTD, self.level),)), packed]
+            return Encoded([_header(n, ()), view])
+        stages = (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
+        return Encoded([_header(n, stages), packed])
 
-    def _sample_pays(self, view: np.ndarray, group: int) -> bool:
-        sample = view[:SAMPLE_BYTES - SAMPLE_BYTES % max(group, 1)]
+    def _pack(self, data: np.ndarray, group: int) -> bytes:
+        if group:
+            data = group_bytes(data, group, _scratch(data.size))
+        return _zstd_c(self.level).compress(data)
+
+    def _sample_size(self, view: np.ndarray, group: int, base: np.ndarray | None = None) -> int:
+        """Compressed size of the first SAMPLE_BYTES (XORed with the base's when given)."""
+        end = min(view.size, SAMPLE_BYTES)
+        end -= end % max(group, 1)
+        sample = view[:end] if base is None else np.bitwise_xor(view[:end], base[:end])
         if group:
             sample = group_bytes(sample, group, np.empty(sample.size, dtype=np.uint8))
-        return len(_zstd_c(self.level).compress(sample)) < SAMPLE_MAX_RATIO * sample.size
+        return len(_zstd_c(self.level).compress(sample))
 
 
-def _header(raw_size: int, stages: tuple) -> bytes:
+def _header(raw_size: int, stages: tuple, base: bytes | None = None) -> bytes:
     head = _HEADER.pack(MAGIC, OBJECT_FORMAT, len(stages), raw_size)
-    return head + b"".join(_STAGE.pack(sid, arg) for sid, arg in stages)
+    for sid, arg in stages:
+        head += _STAGE.pack(sid, arg) + (base if sid == STAGE_XOR else b"")
+    return head
 
 
 @dataclass(frozen=True)
@@ -124,6 +158,7 @@ class Header:
     raw_size: int
     stages: tuple  # ((stage id, argument), ...) in encoding order
     payload_offset: int
+    base: bytes | None = None  # the base object's key, for an XOR delta
 
     @property
     def codec_name(self) -> str:
@@ -143,23 +178,30 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
     if nstages > MAX_STAGES or raw_size > MAX_OBJECT_RAW:
         raise CorruptionError(f"object header is implausible ({nstages} stages, {raw_size} raw bytes)", key=name)
     offset = _HEADER.size
-    if len(data) < offset + nstages * _STAGE.size:
-        raise CorruptionError("object is truncated inside its header", key=name)
-    stages = []
+    stages, base = [], None
     for _ in range(nstages):
+        if len(data) < offset + _STAGE.size:
+            raise CorruptionError("object is truncated inside its header", key=name)
         sid, arg = _STAGE.unpack_from(data, offset)
         offset += _STAGE.size
         if sid not in STAGE_NAMES:
             raise CorruptionError(f"object names unknown codec stage {sid}", key=name)
         if sid == STAGE_BYTEGROUP and (arg < 2 or raw_size % arg):
             raise CorruptionError(f"object has an invalid byte-group size {arg}", key=name)
+        if sid == STAGE_XOR:
+            if base is not None or stages or len(data) < offset + KEY_SIZE:
+                raise CorruptionError("object has a malformed delta stage", key=name)
+            base = bytes(data[offset:offset + KEY_SIZE])
+            offset += KEY_SIZE
         stages.append((sid, arg))
-    return Header(raw_size, tuple(stages), offset)
+    return Header(raw_size, tuple(stages), offset, base)
 
 
-def decode_into(data, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
+def decode_into(data, key: bytes, out: np.ndarray | None = None,
+                resolve_base: Callable[[bytes, int], np.ndarray] | None = None) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
-    and check the result's blake3 against `key`. Raises CorruptionError, never returns bad data."""
+    and check the result's blake3 against `key`. A delta needs `resolve_base(key, size)`, which
+    returns the base's verified raw bytes. Raises CorruptionError, never returns bad data."""
     name = to_hex(key)
     head = parse_header(data, key=key)
     if out is None:
@@ -178,8 +220,17 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
         grouped = np.frombuffer(payload, dtype=np.uint8)
         if stages and stages[-1][0] == STAGE_BYTEGROUP:
             ungroup_bytes(grouped, stages.pop()[1], out)
-        elif not stages:
+        else:
             out[:] = grouped
+        if stages and stages[-1][0] == STAGE_XOR:
+            stages.pop()
+            if resolve_base is None:
+                raise CorruptionError("object is a delta but no base can be read here", key=name)
+            base = resolve_base(head.base, head.raw_size)
+            if base.size != head.raw_size:
+                raise CorruptionError(f"delta base {to_hex(head.base)} has {base.size} bytes, not {head.raw_size}",
+                                      key=name)
+            np.bitwise_xor(out, base, out=out)
         if stages:
             raise CorruptionError(f"object has codec stages in an order we cannot decode: {head.codec_name}", key=name)
     except zstandard.ZstdError as exc:

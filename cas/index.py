@@ -48,13 +48,14 @@ class ObjectRecord:
     raw_size: int
     pack: bytes | None = None  # for WHERE_PACK: the pack's key ...
     offset: int = 0  # ... and where the encoded object starts in it
-    base: bytes | None = None  # for a delta: the object it is coded against
+    base: bytes | None = None  # for a delta: the object it is coded against ...
+    depth: int = 0  # ... and how many deltas deep it sits (a full object is 0)
 
     def pack_bytes(self) -> bytes:
         out = _RECORD.pack(self.where, FLAG_BASE if self.base else 0, self.stored_size, self.raw_size)
         if self.where == WHERE_PACK:
             out += _PACK_LOC.pack(self.pack, self.offset)
-        return out + (self.base or b"")
+        return out + (self.base + bytes([self.depth]) if self.base else b"")
 
     @classmethod
     def unpack(cls, data: bytes) -> "ObjectRecord":
@@ -66,14 +67,16 @@ class ObjectRecord:
                 pos += _PACK_LOC.size
             elif where != WHERE_FILE:
                 raise ValueError(f"unknown location {where}")
+            depth = 0
             if flags & FLAG_BASE:
                 base = bytes(data[pos:pos + KEY_SIZE])
-                pos += KEY_SIZE
-            if pos != len(data) or (base is not None and len(base) != KEY_SIZE):
+                depth = data[pos + KEY_SIZE] if len(data) > pos + KEY_SIZE else -1
+                pos += KEY_SIZE + 1
+            if pos != len(data) or (base is not None and (len(base) != KEY_SIZE or depth < 1)):
                 raise ValueError("wrong length")
-        except (struct.error, ValueError) as exc:
+        except (struct.error, ValueError, IndexError) as exc:
             raise CasError(f"an index record is damaged ({exc}); run `cas repair` to rebuild the index") from None
-        return cls(where, stored, raw, pack, offset, base)
+        return cls(where, stored, raw, pack, offset, base, depth)
 
 
 class Index:

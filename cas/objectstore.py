@@ -23,13 +23,14 @@ import numpy as np
 
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header
-from .errors import MissingObjectError, StoreClosedError
+from .errors import CorruptionError, MissingObjectError, StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
 from .packs import PACK_TARGET, PackFiles
 
 T = TypeVar("T")
 DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
+MAX_CHAIN_DECODE = 64  # far above any configured chain bound; stops a hostile cycle of bases
 
 
 class ObjectStore:
@@ -58,9 +59,26 @@ class ObjectStore:
                     raise
         raise AssertionError("unreachable")
 
-    def get(self, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
-        """Decoded, hash-checked raw bytes of an object (into `out` when given)."""
-        return decode_into(self.fetch(key), key, out)
+    def get(self, key: bytes, out: np.ndarray | None = None, bases: dict | None = None,
+            _depth: int = 0) -> np.ndarray:
+        """Decoded, hash-checked raw bytes of an object (into `out` when given). A delta's chain
+        of bases is decoded first; `bases` caches decoded bases for the length of one load."""
+        if _depth > MAX_CHAIN_DECODE:
+            raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=key.hex())
+
+        def base(bkey: bytes, size: int) -> np.ndarray:
+            if bases is not None and bkey in bases:
+                return bases[bkey]
+            try:
+                raw = self.get(bkey, None, bases, _depth + 1)
+            except CorruptionError as exc:
+                raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
+                                      key=key.hex()) from None
+            if bases is not None:
+                bases[bkey] = raw
+            return raw
+
+        return decode_into(self.fetch(key), key, out, base)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name
@@ -79,9 +97,10 @@ class WriteSession:
         self.lease = secrets.token_bytes(LEASE_ID_SIZE)
         self.new_bytes = 0
         self._claimed: set[bytes] = set()
-        self._pending_small: dict[bytes, tuple[bytes, int]] = {}  # key -> (encoded, raw size)
+        self._pending_small: dict[bytes, tuple] = {}  # key -> (encoded, raw size, base, depth)
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
+        self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
         self._lock = threading.Lock()
         self._open = True
         with self.index.write() as txn:
@@ -108,7 +127,19 @@ class WriteSession:
                 self.index.hold(txn, self.lease, key)
                 records.append(self.index.record(txn, key))
         # Held keys cannot be swept from here on, so the file checks may run outside the txn.
-        return [rec is True or self._is_stored(key, rec) for key, rec in zip(keys, records)]
+        stored = []
+        for key, rec in zip(keys, records):
+            ok = rec is True or self._is_stored(key, rec)
+            if isinstance(rec, ObjectRecord) and ok:
+                self._records[key] = rec
+            stored.append(ok)
+        return stored
+
+    def depth(self, key: bytes) -> int | None:
+        """Delta depth of an object this session claimed or wrote; None when it is not stored."""
+        with self._lock:
+            rec = self._written.get(key) or self._records.get(key)
+        return rec.depth if rec is not None else None
 
     def _is_stored(self, key: bytes, rec: ObjectRecord | None) -> bool:
         if rec is None:
@@ -118,28 +149,30 @@ class WriteSession:
             return size is not None and rec.offset + rec.stored_size <= size
         return self.store.files.has(key) == rec.stored_size
 
-    def write(self, key: bytes, raw, element_size: int = 1) -> int:
-        """Encode and store one object (thread-safe); returns its encoded size."""
-        parts = self.store.codec.encode(raw, element_size)
-        size = sum(memoryview(p).nbytes for p in parts)
+    def write(self, key: bytes, raw, element_size: int = 1,
+              base: tuple[bytes, np.ndarray, int] | None = None) -> int:
+        """Encode and store one object (thread-safe); returns its encoded size. `base` =
+        (key, raw bytes, delta depth) of a stored object this one may be coded against."""
+        enc = self.store.codec.encode(raw, element_size, base[:2] if base else None)
         raw_size = memoryview(raw).nbytes
-        if size <= self.store.pack_max:
-            self._add_small(key, b"".join(bytes(p) for p in parts), raw_size)
+        depth = base[2] + 1 if enc.base else 0
+        if enc.size <= self.store.pack_max:
+            self._add_small(key, b"".join(bytes(p) for p in enc.parts), raw_size, enc.base, depth)
         else:
             faults.point("session.before_file_write")
-            self.store.files.put(key, parts)
+            self.store.files.put(key, enc.parts)
             faults.point("session.file_written")
             with self._lock:
-                self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size)
-        return size
+                self._written[key] = ObjectRecord(WHERE_FILE, enc.size, raw_size, base=enc.base, depth=depth)
+        return enc.size
 
-    def write_encoded(self, key: bytes, blob: bytes, raw_size: int) -> None:
+    def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord) -> None:
         """Store an already encoded object again (gc's repacking moves live objects this way)."""
-        self._add_small(key, blob, raw_size)
+        self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)
 
-    def _add_small(self, key: bytes, blob: bytes, raw_size: int) -> None:
+    def _add_small(self, key: bytes, blob: bytes, raw_size: int, base: bytes | None, depth: int) -> None:
         with self._lock:
-            self._pending_small[key] = (blob, raw_size)
+            self._pending_small[key] = (blob, raw_size, base, depth)
             self._pending_bytes += len(blob)
             full = self._pending_bytes >= PACK_TARGET
         if full:
@@ -151,10 +184,11 @@ class WriteSession:
             pending, self._pending_small, self._pending_bytes = self._pending_small, {}, 0
         if not pending:
             return
-        pack, placed = self.store.packs.write([(k, blob) for k, (blob, _) in pending.items()])
+        pack, placed = self.store.packs.write([(k, item[0]) for k, item in pending.items()])
         with self._lock:
             for key, offset, length in placed:
-                self._written[key] = ObjectRecord(WHERE_PACK, length, pending[key][1], pack, offset)
+                _, raw_size, base, depth = pending[key]
+                self._written[key] = ObjectRecord(WHERE_PACK, length, raw_size, pack, offset, base, depth)
 
     def adopt(self, key: bytes) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot

@@ -75,6 +75,7 @@ class Marker:
     def mark(self, roots, progress: Progress | None = None) -> None:
         stack = [r for r in roots if r not in self.live]
         self.roots.update(roots)
+        chunks_seen: list[bytes] = []
         while stack:
             key = stack.pop()
             if key in self.live:
@@ -87,10 +88,22 @@ class Marker:
             self.live.add(key)
             faults.point("gc.marking")
             refs, chunks = node_children(node)
+            chunks_seen.extend(c for c in chunks if c not in self.live)
             self.live.update(chunks)
             stack.extend(r for r in refs if r not in self.live)
             if progress and len(self.live) % 4096 < len(chunks) + 1:
                 progress("mark", len(self.live), 0)
+        self._follow_bases(chunks_seen)
+
+    def _follow_bases(self, keys: list[bytes]) -> None:
+        """A delta keeps its base alive, and the base's base: edges read from the index."""
+        index = self.store.index
+        with index.read() as txn:
+            for key in keys:
+                rec = index.record(txn, key)
+                while rec is not None and rec.base is not None and rec.base not in self.live:
+                    self.live.add(rec.base)
+                    rec = index.record(txn, rec.base)
 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
@@ -224,7 +237,7 @@ def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> No
             rec = objects.record(key)
             if rec is None or rec.pack != pack:
                 continue  # swept or moved meanwhile
-            session.write_encoded(key, objects.packs.read(pack, rec.offset, rec.stored_size, key), rec.raw_size)
+            session.write_encoded(key, objects.packs.read(pack, rec.offset, rec.stored_size, key), rec)
             moved += rec.stored_size
         session.commit(lambda txn: None)
     with index.write() as txn:

@@ -9,8 +9,10 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -23,6 +25,45 @@ from cas.objectstore import ObjectStore, WriteSession
 from .tree import TensorLeaf, chunk_spans
 
 CLAIM_BATCH = 64  # chunks hashed, then claimed in one index transaction
+BASE_CACHE_ENTRIES = 16  # decoded delta bases kept during one load
+
+
+@dataclass(frozen=True)
+class BaseTensor:
+    """The previous save's bytes and chunk keys of one tensor: what its chunks are coded against."""
+
+    nbytes: int
+    chunk_size: int
+    skew: int
+    keys: list
+    data: np.ndarray
+
+    def matches(self, leaf: TensorLeaf) -> bool:
+        return (self.nbytes, self.chunk_size, self.skew) == (leaf.nbytes, leaf.chunk_size, leaf.skew)
+
+
+class BoundedCache(OrderedDict):
+    """A small LRU of decoded delta bases, shared by one load's worker threads."""
+
+    def __init__(self, limit: int = BASE_CACHE_ENTRIES) -> None:
+        super().__init__()
+        self.limit = limit
+        self.lock = threading.Lock()
+
+    def __contains__(self, key) -> bool:
+        with self.lock:
+            return super().__contains__(key)
+
+    def __getitem__(self, key):
+        with self.lock:
+            self.move_to_end(key)
+            return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        with self.lock:
+            super().__setitem__(key, value)
+            while len(self) > self.limit:
+                self.popitem(last=False)
 
 
 def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.ndarray]]:
@@ -33,7 +74,7 @@ def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.
         spans = list(chunk_spans(leaf.nbytes, leaf.chunk_size, leaf.skew))
         leaf.chunks = [None] * len(spans)
         for i, (start, end) in enumerate(spans):
-            yield leaf, i, data[start:end]
+            yield leaf, i, data[start:end], start
 
 
 def _batches(items: Iterator, max_count: int, max_bytes: int) -> Iterator[list]:
@@ -48,20 +89,38 @@ def _batches(items: Iterator, max_count: int, max_bytes: int) -> Iterator[list]:
         yield batch
 
 
+def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.ndarray,
+             start: int) -> tuple[bytes, np.ndarray] | None:
+    """The previous save's chunk at the same position of the same tensor, if the layout matches."""
+    base = bases.get(leaf.path)
+    if base is None or leaf.group <= 1 or not base.matches(leaf):
+        return None
+    return base.keys[i], base.data[start:start + view.nbytes]
+
+
 def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadPoolExecutor,
-                  window_bytes: int) -> None:
-    """Fill every leaf's chunk keys and store the chunks the store lacks."""
+                  window_bytes: int, bases: dict[str, BaseTensor] | None = None, max_chain: int = 0) -> None:
+    """Fill every leaf's chunk keys and store the chunks the store lacks; with `bases`, a changed
+    chunk may be coded as a delta against the previous save's chunk at its position, as long as
+    that base is stored and its chain is shorter than `max_chain`."""
+    bases = bases or {}
     inflight: deque[tuple[int, Future]] = deque()
     inflight_bytes = 0
     try:
         for batch in _batches(_chunks(leaves), CLAIM_BATCH, max(window_bytes // 2, 1)):
             keys = list(pool.map(lambda c: hash_bytes(c[2]), batch))
-            stored = session.claim(keys)
+            candidates = [_base_of(bases, *item) if bases else None for item in batch]
+            stored = session.claim(keys + [c[0] for c in candidates if c is not None])[:len(keys)]
             faults.point("save.hashed")
-            for (leaf, i, view), key, present in zip(batch, keys, stored):
+            for (leaf, i, view, _), key, present, cand in zip(batch, keys, stored, candidates):
                 leaf.chunks[i] = key
                 if not present:
-                    inflight.append((view.nbytes, pool.submit(session.write, key, view, leaf.group)))
+                    base = None
+                    if cand is not None and cand[0] != key:
+                        depth = session.depth(cand[0])
+                        if depth is not None and depth < max_chain:
+                            base = (cand[0], cand[1], depth)
+                    inflight.append((view.nbytes, pool.submit(session.write, key, view, leaf.group, base)))
                     inflight_bytes += view.nbytes
             while inflight and inflight_bytes > window_bytes:
                 size, fut = inflight.popleft()
@@ -88,10 +147,12 @@ def read_tensor_chunks(objects: ObjectStore, jobs: list[tuple[str, bytes, np.nda
     """Decode each (tensor path, chunk key, output slice) straight into its slice, verifying
     every chunk's hash; a damaged chunk raises a CorruptionError naming the tensor."""
 
+    cache = BoundedCache()
+
     def one(job):
         path, key, out = job
         try:
-            objects.get(key, out)
+            objects.get(key, out, cache)
         except CorruptionError as exc:
             raise exc.located(path=path) from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import dataclasses
 import datetime as _dt
 import os
@@ -34,6 +35,8 @@ from .values import pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
+DEFAULT_MAX_CHAIN = 8  # see bench/bench_delta.py: restore cost by chain depth
+DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -86,7 +89,8 @@ class Store:
     def __init__(self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
                  chunk_size: int | None = None, compress: bool = True, compression_level: int = 1,
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1) -> None:
+                 pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
+                 max_chain: int = DEFAULT_MAX_CHAIN) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -112,6 +116,11 @@ class Store:
         self._inflight: list[SaveFuture] = []
         self._inflight_steps: set[int] = set()
         self._arenas: list[StagingArena] = []
+        self.delta = delta
+        self.max_chain = max_chain
+        self._bases: dict[str, pipeline.BaseTensor] = {}  # the last save's floating tensors
+        self._base_arena = StagingArena()
+        self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
 
     def _create(self, chunk_size: int) -> None:
@@ -225,8 +234,27 @@ class Store:
                                   f"{exc.strerror or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
+        if not self.delta:
+            return self._commit_job(job, {})
+        with self._delta_lock:
+            ck = self._commit_job(job, self._bases)
+            self._remember_bases(job.leaves)
+            return ck
+
+    def _remember_bases(self, leaves: list) -> None:
+        """Keep a copy of this save's floating-point tensors: the next save codes its changed
+        chunks against them (XOR delta). Costs host memory of their size, reused save to save."""
+        floating = [leaf for leaf in leaves if leaf.group > 1 and leaf.nbytes >= DELTA_MIN_BYTES]
+        self._bases = {}
+        self._base_arena.stage(floating)
+        self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
+                                                      leaf.staged) for leaf in floating}
+        for leaf in floating:
+            leaf.staged = None
+
+    def _commit_job(self, job: "_SaveJob", bases: dict) -> Checkpoint:
         with self.objects.session(f"save step {job.step}") as session:
-            pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes)
+            pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain)
             faults.point("save.chunks_written")
             root, nodes = encode_nodes(job.skeleton)
             logical = sum(leaf.nbytes for leaf in job.leaves)

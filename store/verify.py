@@ -48,8 +48,8 @@ class VerifyReport:
         return [s for s in self.checked_checkpoints if s not in damaged]
 
 
-def check_present(objects, key: bytes) -> int:
-    """Presence and size of an object from its index record, without reading it."""
+def check_present(objects, key: bytes, _depth: int = 0) -> int:
+    """Presence and size of an object, and of its delta bases, from the index, without reading it."""
     rec = objects.record(key)
     if rec is None:
         raise MissingObjectError("object is not in the index", key=key.hex())
@@ -65,6 +65,11 @@ def check_present(objects, key: bytes) -> int:
             raise MissingObjectError("object file is missing", key=key.hex())
         if size != rec.stored_size:
             raise CorruptionError(f"object file has {size} bytes, the index says {rec.stored_size}", key=key.hex())
+    if rec.base is not None and _depth < 64:
+        try:
+            check_present(objects, rec.base, _depth + 1)
+        except CorruptionError as exc:
+            raise CorruptionError(f"the delta base of this object is damaged: {exc}", key=key.hex()) from None
     return rec.raw_size
 
 

@@ -23,7 +23,7 @@ from cas.store.values import pack, unpack
 
 RAW = np.random.default_rng(0).standard_normal(5000).astype(np.float32).view(np.uint8)
 KEY = hash_bytes(RAW)
-ENCODED = b"".join(bytes(p) for p in CodecPolicy().encode(RAW, 4))
+ENCODED = b"".join(bytes(p) for p in CodecPolicy().encode(RAW, 4).parts)
 NODE = pack({"k": "tensor", "lib": "torch", "dtype": "float32", "shape": [5000], "chunk": 1 << 20, "chunks": [KEY]})
 
 

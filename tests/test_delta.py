@@ -1,0 +1,126 @@
+"""XOR-delta chains: any chain of states restores bit for bit, also after gc removed the
+checkpoints that held the bases; chains stay bounded; verify checks every link."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_gc import assert_exactly_reachable
+
+import cas
+from cas.store.tensors import TORCH_DTYPES
+
+FLOATS = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2", "complex64"]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0]
+
+
+def evolve(t: torch.Tensor, seed: int, scale: float, frac: float) -> torch.Tensor:
+    """A training-like change: a fraction of the elements move by `scale`, plus a few specials."""
+    g = torch.Generator().manual_seed(seed)
+    wide = t.to(torch.complex128 if t.is_complex() else torch.float64)
+    mask = torch.rand(t.shape, generator=g) < frac
+    step = torch.randn(t.shape, generator=g, dtype=torch.float64) * scale
+    out = torch.where(mask, wide + step, wide)
+    if t.numel() > 4:
+        flat = out.reshape(-1)
+        for i, v in enumerate(SPECIALS[: t.numel() // 1000 + 1]):
+            flat[(seed * 7919 + i * 104729) % t.numel()] = v
+    return out.to(t.dtype)
+
+
+chains = st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from([1e-6, 1e-3, 1.0]),
+                            st.sampled_from([0.0, 0.01, 0.5, 1.0])), min_size=2, max_size=7)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(FLOATS), chain=chains, rows=st.sampled_from([40, 300]),
+       gc_keep=st.integers(1, 3))
+def test_any_chain_of_states_restores_bit_for_bit_also_after_gc(tmp_path_factory, dtype, chain, rows, gc_keep):
+    path = tmp_path_factory.mktemp("delta") / "s"
+    torch.manual_seed(0)
+    t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
+    history = {}
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=3) as store:
+        for step, (seed, scale, frac) in enumerate(chain):
+            t = evolve(t, seed, scale, frac)
+            store.save({"w": t, "n": step}, step=step)
+            history[step] = t.clone()
+        for step, expected in history.items():
+            assert store.load(step)["w"].view(torch.uint8).equal(expected.view(torch.uint8))
+        store.gc(keep_last=gc_keep)
+        assert store.verify().ok
+        for ck in store.checkpoints():
+            assert store.load(ck.step)["w"].view(torch.uint8).equal(history[ck.step].view(torch.uint8))
+        assert_exactly_reachable(store)
+    with cas.open(path) as reopened:  # a fresh process has no base cache: decoding needs none
+        last = max(history)
+        assert reopened.load(last)["w"].view(torch.uint8).equal(history[last].view(torch.uint8))
+
+
+def _records(store):
+    with store.index.read() as txn:
+        return dict(store.index.iter_records(txn))
+
+
+def test_small_changes_are_stored_as_deltas_and_chains_are_bounded(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True, max_chain=3) as store:
+        sizes = []
+        for step in range(9):
+            w = w + 1e-4 * torch.randn_like(w)
+            sizes.append(store.save({"w": w}, step=step).new_bytes)
+        depths = [max(r.depth for r in _records(store).values() if r.raw_size == 256 << 10)]
+        assert depths == [3]
+        assert sizes[1] < 0.6 * sizes[0]  # a delta costs well under a full object
+        assert sizes[4] > 0.9 * sizes[0]  # step 4 starts a new chain (depth bound 3)
+        assert store.verify().ok and store.verify(quick=True).ok
+
+
+def test_deltas_are_not_used_where_they_lose(tmp_path):
+    """Random data changed entirely: the sample says the delta is no smaller, so full objects."""
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        store.save({"w": torch.randn(256, 1024)}, step=1)
+        store.save({"w": torch.randn(256, 1024)}, step=2)
+        assert all(r.base is None for r in _records(store).values())
+
+
+def test_a_missing_base_is_reported_for_every_checkpoint_that_needs_it(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w + 1e-4}, step=2)
+        base_key = store.tensors(1)[0]["chunks"][0]
+        assert _records(store)[store.tensors(2)[0]["chunks"][0]].base == base_key
+        os.unlink(store.objects.files.path(base_key))
+        report = store.verify()
+        assert report.damaged_steps == [1, 2]
+        assert any("delta base" in p.message for p in report.problems if p.step == 2)
+        assert store.verify(quick=True).damaged_steps == [1, 2]
+        with pytest.raises(cas.CorruptionError, match="delta base"):
+            store.load(2)
+
+
+def test_async_saves_use_deltas_too(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        store.save_async({"w": w}, step=1).result()
+        w.add_(1e-5)
+        ck = store.save_async({"w": w}, step=2).result()
+        assert ck.new_bytes < 0.6 * ck.logical_bytes
+        assert torch.equal(store.load(2)["w"], w)
+
+
+def test_integer_tensors_are_never_deltas(tmp_path):
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        a = torch.arange(1 << 17, dtype=torch.int64)
+        store.save({"a": a}, step=1)
+        store.save({"a": a + 1}, step=2)
+        assert all(r.base is None for r in _records(store).values())
+        assert torch.equal(store.load(2)["a"], a + 1)
