@@ -115,8 +115,10 @@ def cmd_show(store, args) -> int:
     tensors = store.tensors(ck.step)
     prev = store.previous(ck.step)
     before = {k for t in store.tensors(prev.step) for k in t["chunks"]} if prev else set()
+    depth = {k: (r.depth if r else 0) for t in tensors for k in t["chunks"] for r in [store.objects.record(k)]}
     rows = [{"path": t["path"], "dtype": t["dtype"], "shape": t["shape"], "bytes": t["bytes"],
-             "chunks": len(t["chunks"]), "new_chunks": sum(1 for k in t["chunks"] if k not in before)}
+             "chunks": len(t["chunks"]), "new_chunks": sum(1 for k in t["chunks"] if k not in before),
+             "max_chain_depth": max((depth[k] for k in t["chunks"]), default=0)}
             for t in tensors]
     if args.json:
         _emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
@@ -129,10 +131,11 @@ def cmd_show(store, args) -> int:
     if ck.meta:
         print("meta " + json.dumps(ck.meta, default=str))
     against = f"not in step {prev.step}" if prev else "first checkpoint"
-    print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  new ({against})")
+    print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  {'chain':>5}  "
+          f"new ({against})")
     for r in rows:
         print(f"{r['path']:40}  {r['dtype']:10}  {str(tuple(r['shape'])):18}  {human(r['bytes']):>10}  "
-              f"{r['chunks']:>6}  {r['new_chunks']}")
+              f"{r['chunks']:>6}  {r['max_chain_depth']:>5}  {r['new_chunks']}")
     return EXIT_OK
 
 
@@ -159,8 +162,9 @@ def cmd_verify(store, args) -> int:
 @command("du", "disk usage: logical against stored bytes", _add_du, read_only=True)
 def cmd_du(store, args) -> int:
     s = store.stats()
+    codecs = store.codec_usage()
     data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
-            "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3)}
+            "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3), "codecs": codecs}
     if args.json:
         _emit_json(data)
     else:
@@ -168,6 +172,11 @@ def cmd_du(store, args) -> int:
         print(f"logical       {human(s.logical_bytes)}  (what separate full copies would hold)")
         print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects")
         print(f"ratio         {s.dedup_ratio:.2f}x")
+        print(f"\n{'codec':28} {'objects':>8} {'stored':>11} {'raw':>11} {'size':>6} {'chain':>5}")
+        for name, u in sorted(codecs.items(), key=lambda kv: -kv[1]["stored_bytes"]):
+            share = u["stored_bytes"] / u["raw_bytes"] if u["raw_bytes"] else 1.0
+            print(f"{name:28} {u['objects']:>8} {human(u['stored_bytes']):>11} {human(u['raw_bytes']):>11} "
+                  f"{share:>6.1%} {u['max_depth']:>5}")
     return EXIT_OK
 
 

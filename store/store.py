@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from cas import faults
-from cas.codecs import CodecPolicy
+from cas.codecs import CodecPolicy, parse_header
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StoreClosedError,
                         StoreWriteError)
 from cas.hashing import hash_bytes
-from cas.index import Index
+from cas.index import WHERE_PACK, Index
 from cas.objects import FileObjects
 from cas.packs import PackFiles
 from cas.objectstore import DEFAULT_PACK_MAX, ObjectStore
@@ -439,6 +439,27 @@ class Store:
                 num += 1
             cks = self.registry.all(txn)
         return StoreStats(sum(c.logical_bytes for c in cks), stored, num, len(cks))
+
+    def codec_usage(self) -> dict[str, dict]:
+        """Per codec (as named in object headers): objects, stored and raw bytes, deepest chain."""
+        usage: dict[str, dict] = {}
+        with self.index.read() as txn:
+            records = list(self.index.iter_records(txn))
+        for key, rec in records:
+            try:
+                if rec.where == WHERE_PACK:
+                    head = self.objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
+                else:
+                    head = self.objects.files.head(key, 64)
+                name = parse_header(head, key=key).codec_name
+            except CorruptionError:
+                name = "unreadable"
+            u = usage.setdefault(name, {"objects": 0, "stored_bytes": 0, "raw_bytes": 0, "max_depth": 0})
+            u["objects"] += 1
+            u["stored_bytes"] += rec.stored_size
+            u["raw_bytes"] += rec.raw_size
+            u["max_depth"] = max(u["max_depth"], rec.depth)
+        return usage
 
     def tensors(self, step: int) -> list[dict]:
         """Per tensor of a checkpoint: path, dtype, shape, bytes, chunk keys (for `cas show`)."""
