@@ -12,9 +12,10 @@ import os
 import threading
 from typing import Iterable, Iterator, Protocol
 
-from .errors import CasError, MissingObjectError
+from .errors import MissingObjectError
+from .fanout import FanoutDir
 from .fsutil import atomic_write, fsync_dir, read_file
-from .hashing import KEY_SIZE, to_hex
+from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
 
@@ -43,20 +44,13 @@ class ObjectBackend(Protocol):
         """Make every put so far durable (their directory entries included)."""
 
 
-class FileObjects:
+class FileObjects(FanoutDir):
     """One file per object under objects/ab/<64 hex digits>, written via tmp + fsync + rename."""
 
     def __init__(self, root: str, tmp_dir: str) -> None:
-        self.root = root
-        self.tmp_dir = tmp_dir
+        super().__init__(root, tmp_dir)
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
-
-    def path(self, key: bytes) -> str:
-        if len(key) != KEY_SIZE:
-            raise CasError(f"object key must be {KEY_SIZE} bytes, got {len(key)}")
-        name = to_hex(key)
-        return os.path.join(self.root, name[:2], name)
 
     def get(self, key: bytes) -> bytes:
         path = self.path(key)
@@ -89,35 +83,15 @@ class FileObjects:
         return n
 
     def has(self, key: bytes) -> int | None:
-        try:
-            return os.stat(self.path(key)).st_size
-        except FileNotFoundError:
-            return None
+        return self.size(key)
 
     def delete(self, key: bytes) -> None:
-        path = self.path(key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self._dirty.add(os.path.dirname(path))
+        if self.unlink(key):
+            with self._lock:
+                self._dirty.add(os.path.dirname(self.path(key)))
 
     def iterate(self) -> Iterator[bytes]:
-        try:
-            fans = sorted(os.listdir(self.root))
-        except FileNotFoundError:
-            return
-        for fan in fans:
-            folder = os.path.join(self.root, fan)
-            if len(fan) != 2 or not os.path.isdir(folder):
-                continue
-            for name in os.listdir(folder):
-                if len(name) == 2 * KEY_SIZE and name.startswith(fan):
-                    try:
-                        yield bytes.fromhex(name)
-                    except ValueError:
-                        continue
+        return self.names()
 
     def sync(self) -> None:
         # The lock is held through the fsyncs so that a concurrent sync() cannot return while

@@ -18,7 +18,8 @@ from typing import Iterator
 
 from .errors import CorruptionError, MissingObjectError
 from .fsutil import atomic_write, fsync_dir
-from .hashing import KEY_SIZE, hash_bytes, to_hex
+from .fanout import FanoutDir
+from .hashing import hash_bytes, to_hex
 
 PACK_MAGIC = b"caspack1"
 _ENTRY = struct.Struct("<32sI")
@@ -26,16 +27,8 @@ PACK_TARGET = 16 << 20  # a writer starts a new pack past this many bytes
 MAX_PACK = 1 << 31
 
 
-class PackFiles:
+class PackFiles(FanoutDir):
     """Immutable pack files under packs/ab/<64 hex digits>."""
-
-    def __init__(self, root: str, tmp_dir: str) -> None:
-        self.root = root
-        self.tmp_dir = tmp_dir
-
-    def path(self, pack: bytes) -> str:
-        name = to_hex(pack)
-        return os.path.join(self.root, name[:2], name)
 
     def write(self, entries: list[tuple[bytes, bytes]]) -> tuple[bytes, list[tuple[bytes, int, int]]]:
         """Write one pack durably; returns its key and (object key, offset, length) per entry."""
@@ -70,31 +63,11 @@ class PackFiles:
             raise CorruptionError(f"pack {to_hex(pack)} is truncated", key=to_hex(key))
         return data
 
-    def size(self, pack: bytes) -> int | None:
-        try:
-            return os.stat(self.path(pack)).st_size
-        except FileNotFoundError:
-            return None
-
     def delete(self, pack: bytes) -> None:
-        try:
-            os.unlink(self.path(pack))
-        except FileNotFoundError:
-            pass
+        self.unlink(pack)
 
     def iterate(self) -> Iterator[bytes]:
-        if not os.path.isdir(self.root):
-            return
-        for fan in sorted(os.listdir(self.root)):
-            folder = os.path.join(self.root, fan)
-            if len(fan) != 2 or not os.path.isdir(folder):
-                continue
-            for name in os.listdir(folder):
-                if len(name) == 2 * KEY_SIZE and name.startswith(fan):
-                    try:
-                        yield bytes.fromhex(name)
-                    except ValueError:
-                        continue
+        return self.names()
 
     def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
         """(object key, offset, length) of each entry, read from the pack itself (for repair).
