@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import dataclasses
 import datetime as _dt
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,8 +21,8 @@ from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, Read
 from cas.hashing import hash_bytes
 from cas.index import WHERE_PACK, Index
 from cas.objects import FileObjects
-from cas.packs import PackFiles
 from cas.objectstore import DEFAULT_PACK_MAX, ObjectStore
+from cas.packs import PackFiles
 
 from . import layout as L
 from . import pipeline, tensors
@@ -91,6 +91,8 @@ class Store:
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
                  max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+        if type(max_chain) is not int or not 0 <= max_chain <= 255:
+            raise CasError(f"max_chain must be an int from 0 to 255, got {max_chain!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
