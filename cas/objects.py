@@ -50,6 +50,7 @@ class FileObjects(FanoutDir):
     def __init__(self, root: str, tmp_dir: str) -> None:
         super().__init__(root, tmp_dir)
         self._dirty: set[str] = set()
+        self._made: set[str] = set()  # fan-out folders known to exist
         self._lock = threading.Lock()
 
     def get(self, key: bytes) -> bytes:
@@ -71,13 +72,12 @@ class FileObjects(FanoutDir):
     def put(self, key: bytes, parts: Iterable) -> int:
         path = self.path(key)
         directory = os.path.dirname(path)
-        try:
-            n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
-        except FileNotFoundError:
+        if directory not in self._made:  # make the fan-out folder first, not after a failed rename
             os.makedirs(directory, exist_ok=True)
             with self._lock:
+                self._made.add(directory)
                 self._dirty.add(self.root)
-            n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
+        n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
         with self._lock:
             self._dirty.add(directory)
         return n
