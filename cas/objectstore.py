@@ -192,14 +192,23 @@ class WriteSession:
 
     def adopt(self, key: bytes) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot
-        touch LMDB): its header must parse and give its raw size. Returns its stored size."""
+        touch LMDB): its header must parse and give its raw size. A delta keeps its base edge
+        (gc follows it). Returns its stored size."""
         data_size = self.store.files.has(key)
         if data_size is None:
             raise MissingObjectError("an object a distributed writer reported is not in the store", key=key.hex())
         head = parse_header(self.store.files.head(key, 64), key=key)
+        depth = 0
+        if head.base is not None:  # a delta keeps its base edge, which gc follows
+            with self.index.read() as txn:
+                base = self.index.record(txn, head.base)
+            if base is None:
+                raise MissingObjectError("the delta base of an object a distributed writer reported is not "
+                                         "in the store", key=head.base.hex())
+            depth = base.depth + 1
         with self._lock:
             if key not in self._written:
-                self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size)
+                self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size, base=head.base, depth=depth)
         return data_size
 
     def commit(self, finish: Callable[[object], T]) -> T:

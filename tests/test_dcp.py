@@ -1,0 +1,530 @@
+"""torch.distributed.checkpoint through the store: multi-rank saves (gloo on CPU, FSDP2 and
+DTensor), loads at other world sizes, dedup across saves and world sizes, failures that commit
+nothing, async executors, and the store's own tools (verify, gc, show) over DCP checkpoints.
+
+Process groups cost seconds to start here, so each spawned group (tests/dcp_worker.py) runs a
+scenario of several checks once per module; the tests below assert on what it reports and on
+the store it leaves. Single-process checks call DCP in-process with no_dist=True.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import cas
+from cas import cli as cas_cli
+from cas.store import dcp as cdcp
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CHUNK = 64 << 10
+EXTRA = {"epoch": 3, "name": "run-a", "pair": (1, 2.5, "x"), "table": {1: "one", 2: "two"}, "ids": [4, 5]}
+
+
+# --- spawning rank groups -----------------------------------------------------------------------
+@dataclass
+class Group:
+    store: str
+    out: str
+    returncodes: list[int]
+    ranks: dict[int, dict]  # rank -> the JSON it wrote (absent for a rank that died)
+    stderr: list[str]
+    seconds: float
+
+
+def run_group(scenario: str, world: int, store, out, *, env: dict | None = None, timeout: float = 150) -> Group:
+    """Start `world` worker processes on one gloo FileStore and wait for all of them."""
+    os.makedirs(out, exist_ok=True)
+    pg_file = os.path.join(out, f"pg-{scenario}-{time.monotonic_ns()}")
+    procs = []
+    t0 = time.perf_counter()
+    for rank in range(world):
+        child_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                         DCP_PG_FILE=pg_file, MASTER_ADDR="127.0.0.1", PYTHONPATH=ROOT, **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dcp_worker.py"), scenario, str(store),
+                                       str(out)], env=child_env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))[1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    ranks = {}
+    for rank in range(world):
+        path = os.path.join(out, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks[rank] = json.load(f)
+    return Group(str(store), str(out), [p.returncode for p in procs], ranks, errs, time.perf_counter() - t0)
+
+
+def require_ok(group: Group) -> Group:
+    bad = [r for r, rc in enumerate(group.returncodes) if rc != 0]
+    assert not bad, f"ranks {bad} failed:\n" + "\n".join(group.stderr[r][-4000:] for r in bad)
+    return group
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Group:
+    """2 ranks, FSDP2 + AdamW + extras: steps 1, 2 (unchanged), 3 (thread async), 4 (process async)."""
+    base = tmp_path_factory.mktemp("dcp_saved")
+    return require_ok(run_group("save", 2, base / "store", base / "out"))
+
+
+@pytest.fixture(scope="module")
+def resharded(saved) -> Group:
+    """3 ranks load step 1 of the 2-rank save, compare, and save it as step 10."""
+    return require_ok(run_group("reshard", 3, saved.store, saved.out))
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory) -> Group:
+    """2 ranks: step 1 commits; step 2 rank 1 raises; step 3 direct dcp.save, rank 1 raises;
+    step 4 rank 1 is SIGKILLed."""
+    base = tmp_path_factory.mktemp("dcp_failures")
+    return run_group("failures", 2, base / "store", base / "out")
+
+
+def copy_store(group: Group, dest) -> str:
+    shutil.copytree(group.store, dest)
+    return str(dest)
+
+
+# --- reference data and comparisons -------------------------------------------------------------
+def reference(group: Group, name: str) -> dict:
+    return torch.load(os.path.join(group.out, f"{name}.pt"), weights_only=True)
+
+
+def blank_target(ref: dict) -> dict:
+    """A plain-tensor target with the saved layout (model, optim, extra), all zeros."""
+    state: dict = {}
+    for path, t in ref.items():
+        node = state
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = torch.zeros_like(t)
+    state["optim"]["param_groups"] = [{"betas": None, "params": None}]
+    state["extra"] = {"epoch": 0, "name": "", "pair": (), "table": {1: "", 2: ""}, "ids": []}
+    return state
+
+
+def flat(value, prefix: str = "") -> dict:
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    out = {}
+    for k, v in value.items() if isinstance(value, dict) else []:
+        out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                   b.reshape(-1).view(torch.uint8))
+
+
+def load_plain(path: str, step: int | None, ref: dict) -> tuple[dict, cas.Checkpoint]:
+    state = blank_target(ref)
+    ck = cdcp.load(state, path, step, no_dist=True)
+    return state, ck
+
+
+def small_state(seed: int) -> dict:
+    """The full tensors of dcp_worker.small_state(world, seed) (same generator order)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(512, 256, generator=g), "r": torch.randn(33, generator=g), "extra": {"seed": seed}}
+
+
+def leases(path: str) -> list[dict]:
+    with cas.open(path, readonly=True) as store, store.index.read() as txn:
+        return list(store.index.leases(txn).values())
+
+
+def object_files(path: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(os.path.join(path, "objects")))
+
+
+def cli(path: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cas.cli", "--store", path, *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+# --- multi-rank saves ---------------------------------------------------------------------------
+def test_every_rank_sees_the_same_commits_and_the_world_size_is_recorded(saved):
+    ids = {step: {r[step]["id"] for r in (saved.ranks[0]["saved"], saved.ranks[1]["saved"])}
+           for step in ("1", "2", "3", "4")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    with cas.open(saved.store, readonly=True) as store:
+        cks = {ck.step: ck for ck in store.checkpoints()}
+    assert {1, 2, 3, 4} <= set(cks)
+    assert cks[1].id == ids["1"].pop()
+    meta = cks[1].meta["dcp"]
+    assert meta["world_size"] == 2
+    assert meta["sharding"]["model.0.weight"] == "dim0/2"
+    assert meta["sharding"]["optim.state.0.weight.exp_avg"] == "dim0/2"
+    assert meta["sharding"]["optim.state.0.weight.step"] == "whole"
+
+
+def test_one_rank_loads_the_two_rank_save_bit_for_bit(saved):
+    ref = reference(saved, "ref1")
+    state, ck = load_plain(saved.store, 1, ref)
+    assert ck.step == 1
+    loaded = flat({"model": state["model"], "optim": {"state": state["optim"]["state"]}})
+    assert set(loaded) == set(ref)
+    assert [k for k in ref if not same_bits(loaded[k], ref[k])] == []
+    assert state["extra"] == EXTRA
+    assert type(state["extra"]["pair"]) is tuple and list(state["extra"]["table"]) == [1, 2]
+    assert state["optim"]["param_groups"][0] == {"betas": (0.9, 0.999),
+                                                 "params": ["0.weight", "0.bias", "2.weight", "2.bias"]}
+
+
+def test_async_saves_commit_a_snapshot_of_the_state_at_the_call(saved):
+    """Thread executor (step 3) and process executor (step 4): each holds the state as it was
+    when async_save was called, although training went on during the thread executor's save."""
+    for step, name in ((3, "ref3"), (4, "ref4")):
+        ref = reference(saved, name)
+        state, _ = load_plain(saved.store, step, ref)
+        model = flat(state["model"], "model")
+        assert [k for k in model if not same_bits(model[k], ref[k])] == [], step
+    ref3, ref4 = reference(saved, "ref3"), reference(saved, "ref4")
+    assert not same_bits(ref3["model.0.weight"], ref4["model.0.weight"])  # training did change it
+
+
+def test_an_unchanged_second_save_writes_almost_nothing(saved):
+    first, second = saved.ranks[0]["saved"]["1"], saved.ranks[0]["saved"]["2"]
+    assert first["logical"] > 5 << 20 and first["new"] > first["logical"] // 2
+    assert second["logical"] == first["logical"]
+    assert second["new"] < 4096, second  # a commit node, nothing else
+
+
+def test_three_ranks_load_the_two_rank_save_bit_for_bit(resharded):
+    r0 = resharded.ranks[0]
+    assert r0["compared"] == 16 and r0["mismatches"] == []
+    assert [resharded.ranks[r]["local_rows"] for r in range(3)] == [342, 342, 340]  # resharded, unevenly
+    expected = repr(EXTRA)
+    assert all(resharded.ranks[r]["extra"] == expected and resharded.ranks[r]["loaded_step"] == 1 for r in range(3))
+
+
+def test_three_ranks_load_a_tensor_as_column_blocks(resharded):
+    """Saved as row shards, loaded as Shard(1): each rank narrows both stored shards along dim 1."""
+    assert [resharded.ranks[r]["column_block"] for r in range(3)] == [[1024, 86], [1024, 86], [1024, 84]]
+    assert resharded.ranks[0]["columns_match"] is True
+
+
+def test_a_save_after_resharding_dedups_against_the_two_rank_save(resharded):
+    """Chunks are cut on each tensor's global byte grid, so the 3-rank save of the same values
+    only writes the chunks that straddle the new shard boundaries (about 12% here; cutting at
+    each shard's own start would rewrite about two thirds)."""
+    step10 = resharded.ranks[0]["saved"]
+    assert step10["new"] < 0.25 * step10["logical"], step10
+    with cas.open(resharded.store, readonly=True) as store:
+        ck = store.get(10)
+        assert ck.meta["dcp"]["world_size"] == 3 and ck.meta["dcp"]["sharding"]["model.0.weight"] == "dim0/3"
+        shards = [t for t in store.tensors(10) if t["path"].startswith("tensors.model.0.weight.")]
+        before = {k for t in store.tensors(1) for k in t["chunks"]}
+    assert [t["shape"] for t in shards] == [[342, 256], [342, 256], [340, 256]]
+    keys = [k for t in shards for k in t["chunks"]]
+    assert sum(k in before for k in keys) >= len(keys) - 4  # two boundaries, two partial chunks each
+
+
+def test_store_tensors_verify_and_load_work_on_dcp_checkpoints(saved):
+    ref = reference(saved, "ref1")
+    with cas.open(saved.store, readonly=True) as store:
+        tensors = {t["path"]: t for t in store.tensors(1)}
+        assert tensors["tensors.model.0.weight.0"]["shape"] == [512, 256]
+        assert tensors["tensors.model.0.weight.1"]["shape"] == [512, 256]
+        assert sum(t["bytes"] for t in tensors.values()) == store.get(1).logical_bytes
+        report = store.verify()
+        assert report.ok and {1, 2, 3, 4} <= set(report.checked_checkpoints)
+        plain = store.load(1)  # an ordinary load gives the shards and DCP's metadata as plain values
+    weight = torch.cat(plain["tensors"]["model.0.weight"])
+    assert same_bits(weight, ref["model.0.weight"])
+    assert plain["metadata"]["items"]["model.0.weight"]["chunks"] == [[[0, 0], [512, 256]], [[512, 0], [512, 256]]]
+    assert plain["values"]["extra.pair"] == {"v": (1, 2.5, "x")}
+
+
+def test_cli_show_verify_and_gc_over_dcp_checkpoints(resharded, tmp_path):
+    path = copy_store(resharded, tmp_path / "store")
+    shown = cli_json(path, "show", "1")
+    assert shown["checkpoint"]["meta"]["dcp"]["world_size"] == 2
+    assert len(shown["tensors"]) == len(cli_json(path, "show", "2")["tensors"])
+    verified = cli(path, "verify")
+    assert verified.returncode == 0 and verified.stdout.startswith("ok"), verified.stdout + verified.stderr
+    files_before = object_files(path)
+    collected = cli(path, "gc", "--keep-last", "1")
+    assert collected.returncode == 0, collected.stderr
+    with cas.open(path, readonly=True) as store:
+        assert [ck.step for ck in store.checkpoints()] == [10]
+        assert store.verify().ok
+    assert object_files(path) < files_before
+    ref = reference(resharded, "ref1")  # step 10 holds step 1's values
+    state, ck = load_plain(path, None, ref)
+    assert ck.step == 10 and same_bits(state["model"]["2"]["weight"], ref["model.2.weight"])
+
+
+def cli_json(path: str, *args: str) -> dict:
+    """`cas ARGS --json`, in this process."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cas_cli.main(["--store", path, *args, "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_ordinary_checkpoints_share_the_store_with_dcp_ones(saved, tmp_path):
+    path = copy_store(saved, tmp_path / "store")
+    ref = reference(saved, "ref1")
+    ordinary = {"w": ref["model.0.weight"][:512].clone(), "n": 7}  # rank 0's shard, as a plain tensor
+    with cas.open(path) as store:
+        ck = store.save(ordinary, step=100)
+        assert ck.new_bytes < 64 << 10  # its chunks are the DCP save's
+        back = store.load(100)
+        assert back["n"] == 7 and same_bits(back["w"], ordinary["w"])
+    state, _ = load_plain(path, 1, ref)
+    assert same_bits(state["model"]["0"]["weight"], ref["model.0.weight"])
+
+
+# --- failures -----------------------------------------------------------------------------------
+def test_a_rank_that_raises_fails_the_save_on_every_rank_and_commits_nothing(failures):
+    assert failures.returncodes[0] == 0, failures.stderr[0][-4000:]
+    for rank in (0, 1):
+        err = failures.ranks[rank]["wrapped"]
+        assert err["cas"] and err["type"] == "InjectedFault" and "dcp.write_data" in err["message"]
+    assert failures.ranks[0]["leases_after_wrapped"] == []  # the coordinator's barrier lease ended
+    with cas.open(failures.store, readonly=True) as store:
+        assert [ck.step for ck in store.checkpoints()] == [1]
+    expect = small_state(1)
+    target = {"w": torch.zeros(512, 256), "r": torch.zeros(33), "extra": {"seed": 0}}
+    cdcp.load(target, failures.store, 1, no_dist=True)
+    assert same_bits(target["w"], expect["w"]) and same_bits(target["r"], expect["r"])
+    assert target["extra"] == {"seed": 1}
+
+
+def test_a_direct_dcp_save_raises_dcps_exception_and_dropping_the_writer_ends_its_lease(failures):
+    assert failures.returncodes[0] == 0, failures.stderr[0][-4000:]
+    for rank in (0, 1):
+        assert failures.ranks[rank]["direct"] == {"type": "CheckpointException", "is_exception": False}
+    assert failures.ranks[0]["leases_before_drop"] == ["barrier:dcp step 3"]
+    assert failures.ranks[0]["leases_after_drop"] == []
+
+
+def test_a_killed_rank_commits_nothing_and_gc_reclaims_what_was_written(failures):
+    assert failures.returncodes == [0, -9], failures.stderr[0][-4000:]
+    err = failures.ranks[0]["killed"]
+    assert err["cas"] and err["type"] == "DistributedCheckpointError", err
+    assert "killed" not in failures.ranks[1]  # rank 1 died in the save
+    assert leases(failures.store) == []
+    with cas.open(failures.store) as store:
+        assert [ck.step for ck in store.checkpoints()] == [1]
+        live = {k for t in store.tensors(1) for k in t["chunks"]}
+        orphans_before = object_files(failures.store) - len(live)
+        assert orphans_before > 0  # the failed saves' chunks are on disk, unreferenced
+        report = store.gc()
+        assert report.deferred is None and report.objects_swept >= orphans_before
+        assert store.verify().ok
+    assert object_files(failures.store) == len(live)
+
+
+def run_solo(tmp_path, step: int, faults_spec: str) -> subprocess.Popen:
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", DCP_STEP=str(step), CAS_FAULTS=faults_spec, PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "dcp_worker.py"), "solo", str(tmp_path / "store"),
+                             str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_gc_does_not_sweep_while_a_dcp_save_is_in_progress(tmp_path):
+    """The coordinator's barrier lease exists before any rank looks at files: a gc that runs
+    while ranks have written chunks, but before the commit, deletes nothing."""
+    gate = str(tmp_path / "gate")
+    proc = run_solo(tmp_path, 7, f"dcp.rank_written=pause:{gate}")
+    try:
+        wait_for(gate + ".reached", proc)
+        written = object_files(str(tmp_path / "store"))
+        assert written > 0
+        with cas.open(tmp_path / "store") as store:
+            report = store.gc()
+        assert report.deferred is not None and "dcp step 7" in report.deferred
+        assert report.objects_swept == 0 and object_files(str(tmp_path / "store")) == written
+    finally:
+        open(gate, "w").close()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    with cas.open(tmp_path / "store") as store:
+        assert [ck.step for ck in store.checkpoints()] == [7] and store.verify().ok
+
+
+def test_a_killed_coordinator_leaves_a_lease_that_gc_reaps(tmp_path):
+    proc = run_solo(tmp_path, 8, "dcp.finish=kill")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -9, err
+    path = str(tmp_path / "store")
+    assert [info["purpose"] for info in leases(path)] == ["barrier:dcp step 8"]
+    with cas.open(path) as store:
+        assert store.checkpoints() == []
+        report = store.gc()
+        assert report.leases_reaped == 1 and report.deferred is None and report.objects_swept > 0
+    assert leases(path) == [] and object_files(path) == 0
+
+
+# --- single process (no process group) ----------------------------------------------------------
+def plain_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 100, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "i": torch.arange(5), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+            "extra": {"k": 1, "t": (1, (2, "x")), "d": {3: "c"}, "none": None}}
+
+
+def zeros_like_state(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        out[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else zeros_like_state(v) if isinstance(v, dict) \
+            else type(v)() if isinstance(v, (tuple, list, str)) else None
+    return out
+
+
+def test_single_process_round_trip_keeps_dtypes_tuples_and_int_keys(tmp_path):
+    state = plain_state()
+    saved = cdcp.save(state, tmp_path / "s", 1, chunk_size=CHUNK, no_dist=True)
+    target = zeros_like_state(state)
+    target["extra"]["d"] = {3: ""}
+    ck = cdcp.load(target, tmp_path / "s", no_dist=True)  # step None: the latest
+    assert ck.step == 1 and ck.id == saved.id
+    for key in ("w", "b", "i", "scalar", "empty"):
+        assert same_bits(target[key], state[key]), key
+    assert target["extra"] == state["extra"] and list(target["extra"]["d"]) == [3]
+    assert type(target["extra"]["t"][1]) is tuple
+
+
+def test_dcp_returns_only_a_small_summary_to_every_rank(tmp_path):
+    metadata = dcp.save(plain_state(), storage_writer=cdcp.CasWriter(tmp_path / "s", step=1), no_dist=True)
+    assert len(pickle.dumps(metadata.storage_data)) < 300
+    assert cdcp.SavedCheckpoint.from_storage_data(metadata.storage_data).step == 1
+
+
+def test_values_never_go_through_pickle_unless_asked(tmp_path):
+    state = {"w": torch.ones(3), "extra": {"plain": (1, 2), "odd": {1, 2, 3}}}
+    with pytest.warns(UserWarning, match="extra.odd"):
+        cdcp.save(state, tmp_path / "s", 1, no_dist=True)
+    with cas.open(tmp_path / "s", readonly=True) as store:
+        values = store.load(1)["values"]
+    assert values["extra.plain"] == {"v": (1, 2)} and set(values["extra.odd"]) == {"pickle"}
+    target = {"w": torch.zeros(3), "extra": {"plain": (), "odd": set()}}
+    with pytest.raises(cas.CasError, match="extra.odd.*allow_pickle=True"):
+        cdcp.load(target, tmp_path / "s", 1, no_dist=True)
+    cdcp.load(target, tmp_path / "s", 1, no_dist=True, allow_pickle=True)
+    assert target["extra"] == {"plain": (1, 2), "odd": {1, 2, 3}}
+
+
+def test_missing_and_existing_steps(tmp_path):
+    with pytest.raises(cas.NotAStoreError):
+        cdcp.load({"w": torch.zeros(3)}, tmp_path / "s", no_dist=True)
+    with cas.open(tmp_path / "s") as store:
+        with pytest.raises(cas.CheckpointNotFoundError, match="no checkpoint"):
+            cdcp.load({"w": torch.zeros(3)}, store, no_dist=True)  # an empty store has no latest
+        cdcp.save({"w": torch.ones(3)}, store, 1, no_dist=True)  # the caller's open store is lent
+    with pytest.raises(cas.CheckpointNotFoundError, match="step 2"):
+        cdcp.load({"w": torch.zeros(3)}, tmp_path / "s", 2, no_dist=True)
+    with pytest.raises(cas.CheckpointExistsError):
+        cdcp.save({"w": torch.ones(3)}, tmp_path / "s", 1, no_dist=True)
+    assert leases(str(tmp_path / "s")) == []
+    with pytest.raises(CheckpointException):  # direct use: DCP's own exception (a BaseException)
+        dcp.load({"w": torch.zeros(3)}, storage_reader=cdcp.CasReader(tmp_path / "s", step=2), no_dist=True)
+
+
+def test_an_ordinary_checkpoint_is_refused_by_the_reader(tmp_path):
+    with cas.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(3)}, step=1)
+    with pytest.raises(cas.CasError, match="not saved through DCP"):
+        cdcp.load({"w": torch.zeros(3)}, tmp_path / "s", 1, no_dist=True)
+
+
+def test_use_collectives_false_is_refused(tmp_path):
+    with pytest.raises(cas.CasError, match="use_collectives"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=cdcp.CasWriter(tmp_path / "s", step=1), no_dist=True,
+                 use_collectives=False)
+
+
+def test_writer_and_reader_pickle_without_open_handles(tmp_path):
+    writer = cdcp.CasWriter(tmp_path / "s", step=1, chunk_size=CHUNK)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)  # the coordinator's lease is open
+    try:
+        clone = pickle.loads(pickle.dumps(writer))
+        assert clone._pending is None and clone.step == 1 and clone.path == writer.path
+    finally:
+        writer.abort()
+    assert leases(str(tmp_path / "s")) == []
+    reader = pickle.loads(pickle.dumps(cdcp.CasReader(tmp_path / "s", step=3, allow_pickle=True)))
+    assert reader.step == 3 and reader.allow_pickle
+
+
+def test_a_corrupt_chunk_fails_the_load_and_verify(tmp_path):
+    state = {"w": torch.randn(256, 256)}
+    cdcp.save(state, tmp_path / "s", 1, chunk_size=CHUNK, no_dist=True)
+    with cas.open(tmp_path / "s", readonly=True) as store:
+        key = store.tensors(1)[0]["chunks"][1]
+    victim = os.path.join(tmp_path, "s", "objects", key.hex()[:2], key.hex())
+    data = bytearray(open(victim, "rb").read())
+    data[-10] ^= 0xFF
+    with open(victim, "wb") as f:
+        f.write(data)
+    with pytest.raises(cas.CorruptionError) as info:
+        cdcp.load({"w": torch.zeros(256, 256)}, tmp_path / "s", 1, no_dist=True)
+    assert key.hex() in str(info.value) and "step 1" in str(info.value)
+    with cas.open(tmp_path / "s", readonly=True) as store:
+        assert store.verify().damaged_steps == [1]
+
+
+def test_a_dcp_save_does_not_reuse_delta_objects_of_ordinary_saves(tmp_path):
+    """An ordinary save with delta=True may store a chunk as an XOR delta against an older
+    chunk. The DCP save of the same bytes must not depend on that base: once the ordinary
+    checkpoints are gone and gc has run, it still loads and verifies."""
+    path = tmp_path / "s"
+    w1 = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
+    w2 = w1 + 1e-6 * torch.randn(256, 256, generator=torch.Generator().manual_seed(6))
+    with cas.open(path, chunk_size=CHUNK, delta=True, pack_max=1024) as store:  # objects as files
+        store.save({"w": w1}, step=1)
+        store.save({"w": w2}, step=2)
+        deltas = [k for k in store.tensors(2)[0]["chunks"] if store.objects.record(k).base is not None]
+        assert deltas and all(store.objects.files.has(k) for k in deltas)  # the premise: delta files
+        cdcp.save({"w": w2}, store, 3, no_dist=True)
+        assert set(deltas) <= {k for t in store.tensors(3) for k in t["chunks"]}  # same chunks, by key
+        store.forget([1, 2])
+        store.gc()
+        assert store.verify().ok
+    target = {"w": torch.zeros(256, 256)}
+    cdcp.load(target, path, 3, no_dist=True)
+    assert same_bits(target["w"], w2)
+
+
+def test_chunks_of_dim0_shards_sit_on_the_global_grid():
+    chunk = 64 << 10
+    # rows of 1 KiB: a shard starting at row 342 starts 342 KiB in, 22 KiB into a chunk
+    assert cdcp.global_skew([342, 0], [342, 256], [1024, 256], 4, chunk) == (342 << 10) % chunk
+    assert cdcp.global_skew([0, 0], [512, 256], [1024, 256], 4, chunk) == 0
+    assert cdcp.global_skew([0, 128], [1024, 128], [1024, 256], 4, chunk) == 0  # not whole rows: own grid
+    assert cdcp.global_skew([], [], [], 4, chunk) == 0  # a 0-d tensor
