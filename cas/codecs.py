@@ -197,6 +197,24 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
     return Header(raw_size, tuple(stages), offset, base)
 
 
+def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
+    """Decompress one zstd frame into `dest`, which must be filled exactly: no fresh allocation
+    per object (fresh memory is slow to touch on this kind of VM), and a frame that holds more
+    or less than the header says is refused."""
+    view = memoryview(dest)
+    filled = 0
+    with _zstd_d().stream_reader(payload, read_across_frames=False) as reader:
+        while filled < dest.size:
+            n = reader.readinto(view[filled:])
+            if n == 0:
+                break
+            filled += n
+        extra = reader.read(1)
+    if filled != dest.size or extra:
+        raise CorruptionError(f"object payload decodes to {'more' if extra else filled} bytes, header says "
+                              f"{dest.size}", key=name)
+
+
 def decode_into(data, key: bytes, out: np.ndarray | None = None,
                 resolve_base: Callable[[bytes, int], np.ndarray] | None = None) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
@@ -211,17 +229,20 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None,
     payload = memoryview(data)[head.payload_offset:]
     stages = list(head.stages)
     try:
+        grouped = len(stages) >= 2 and stages[-2][0] == STAGE_BYTEGROUP
         if stages and stages[-1][0] == STAGE_ZSTD:
             stages.pop()
-            payload = _zstd_d().decompress(payload, max_output_size=head.raw_size)
-        if len(payload) != head.raw_size:
-            raise CorruptionError(f"object payload decodes to {len(payload)} bytes, header says {head.raw_size}",
-                                  key=name)
-        grouped = np.frombuffer(payload, dtype=np.uint8)
-        if stages and stages[-1][0] == STAGE_BYTEGROUP:
-            ungroup_bytes(grouped, stages.pop()[1], out)
+            # straight into `out`, or into a reused buffer when planes must be interleaved after
+            plain = _scratch(head.raw_size, "unzstd") if grouped else out
+            _decompress_into(payload, plain, name)
+        elif len(payload) != head.raw_size:
+            raise CorruptionError(f"object payload holds {len(payload)} bytes, header says {head.raw_size}", key=name)
         else:
-            out[:] = grouped
+            plain = np.frombuffer(payload, dtype=np.uint8)
+        if stages and stages[-1][0] == STAGE_BYTEGROUP:
+            ungroup_bytes(plain, stages.pop()[1], out)
+        elif plain is not out:
+            out[:] = plain
         if stages and stages[-1][0] == STAGE_XOR:
             stages.pop()
             if resolve_base is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from typing import Callable
 
 
 def tmp_name(directory: str, stem: str) -> str:
@@ -59,15 +60,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def read_file(path: str, limit: int) -> bytes:
+def read_file(path: str, limit: int, buffer: Callable[[int], memoryview] | None = None):
     """Read a whole file, refusing one larger than `limit` (a hostile or damaged file must not
-    make us allocate without bound)."""
+    make us allocate without bound). With `buffer(n)` giving a reusable writable buffer of at
+    least n bytes, read into it and return a memoryview of the bytes read (hot paths avoid a
+    fresh allocation per file); else return new bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink must not lead out of the store
     with open(fd, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise ValueError(f"{path} is {size} bytes, more than the {limit} allowed")
-        data = f.read(size + 1)
+        if buffer is None:
+            data = f.read(size + 1)
+        else:
+            view = buffer(size + 1)[:size + 1]
+            filled = 0
+            while filled <= size:
+                n = f.readinto(view[filled:])
+                if not n:
+                    break
+                filled += n
+            data = view[:filled]
     if len(data) > limit:
         raise ValueError(f"{path} grew past {limit} bytes while being read")
     return data

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from .errors import MissingObjectError
 from .fanout import FanoutDir
@@ -53,10 +53,11 @@ class FileObjects(FanoutDir):
         self._made: set[str] = set()  # fan-out folders known to exist
         self._lock = threading.Lock()
 
-    def get(self, key: bytes) -> bytes:
+    def get(self, key: bytes, buffer: Callable[[int], memoryview] | None = None):
+        """The stored bytes; with `buffer`, read into the reusable buffer it gives (see read_file)."""
         path = self.path(key)
         try:
-            return read_file(path, MAX_OBJECT_FILE)
+            return read_file(path, MAX_OBJECT_FILE, buffer)
         except FileNotFoundError:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
         except (ValueError, OSError) as exc:  # too large, a directory, a symlink (ELOOP), unreadable

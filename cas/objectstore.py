@@ -33,6 +33,18 @@ DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack file
 MAX_CHAIN_DECODE = 64  # far above any configured chain bound; stops a hostile cycle of bases
 
 
+_local = threading.local()
+
+
+def _read_buffer(nbytes: int) -> memoryview:
+    """A per-thread reusable read buffer. What fetch() returns in it is valid until the same
+    thread's next fetch: decoding consumes it before it resolves a delta's base."""
+    buf = getattr(_local, "read", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.read = memoryview(bytearray(max(nbytes, 1 << 20)))
+    return buf
+
+
 class ObjectStore:
     def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
                  pack_max: int = DEFAULT_PACK_MAX) -> None:
@@ -46,12 +58,13 @@ class ObjectStore:
         with self.index.read() as txn:
             return self.index.record(txn, key)
 
-    def fetch(self, key: bytes) -> bytes:
-        """The encoded bytes of an object, wherever it lives; MissingObjectError if nowhere."""
+    def fetch(self, key: bytes):
+        """The encoded bytes of an object, wherever it lives (a file object's in a per-thread
+        buffer, valid until this thread's next fetch); MissingObjectError if nowhere."""
         for attempt in range(2):
             rec = self.record(key)
             if rec is None or rec.where == WHERE_FILE:
-                return self.files.get(key)
+                return self.files.get(key, _read_buffer)
             try:
                 return self.packs.read(rec.pack, rec.offset, rec.stored_size, key)
             except MissingObjectError:
