@@ -453,7 +453,7 @@ def section_load(formats: list[Format], scratch: str, s: Settings, nbytes: int, 
     return rows, correct
 
 
-def encoded_chunks(state, chunk_size: int) -> list[tuple]:
+def raw_chunks(state, chunk_size: int) -> list[tuple]:
     """(uint8 view, byte-group size) of every chunk, cut exactly as cas cuts them."""
     _, leaves = plan(state, chunk_size=chunk_size)
     out = []
@@ -474,7 +474,7 @@ def size(parts) -> int:
 
 def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: Row) -> list[Row]:
     """Where the default-codec save's time goes: each stage alone, on the same chunks."""
-    chunks = encoded_chunks(state, DEFAULT_CHUNK)
+    chunks = raw_chunks(state, DEFAULT_CHUNK)
     policy = CodecPolicy()
     folder = os.path.join(scratch, "breakdown")
     single = os.path.join(scratch, "breakdown.bin")
@@ -517,7 +517,8 @@ def section_breakdown(state, scratch: str, s: Settings, nbytes: int, cas_save: R
         timed_row(f"blake3 all chunks, {WORKERS}-thread pool", t_hash, nbytes),
         timed_row(f"bytegroup + zstd-1 all chunks, {WORKERS}-thread pool", t_enc, nbytes,
                   encoded_bytes=stored, size_pct=100 * stored / nbytes),
-        timed_row(f"write the {nfiles} chunks > 64 KiB as files (tmp+fsync+rename)", t_files, nbytes),
+        timed_row(f"write the {nfiles} chunks > {SMALL_OBJECT_MAX >> 10} KiB as files (tmp+fsync+rename)",
+                  t_files, nbytes),
         timed_row(f"write all {len(chunks)} encoded chunks as 1 file + fsync", t_one, nbytes),
     ]
     cpu = Timing([a + b for a, b in zip(t_hash.times, t_enc.times)])
@@ -560,7 +561,8 @@ def incremental_chain(fmt: CasFormat, path: str, mutator: Mutator, n: int,
     return out
 
 
-def section_incremental(state, scratch: str, mutator: Mutator, torch_file_bytes: int) -> tuple[list[Row], list[Row], dict]:
+def section_incremental(state, scratch: str, mutator: Mutator,
+                        torch_file_bytes: int) -> tuple[list[Row], list[Row], dict]:
     log(f"incremental: base + {INCREMENTAL_SAVES} saves, cas and torch.save side by side")
     fmt = CasFormat(state, compress=True)
     path = os.path.join(scratch, "incremental.cas")
@@ -595,7 +597,8 @@ def section_sweep(state, scratch: str, s: Settings, mutator: Mutator, torch_file
         log(f"sweep: chunk_size {chunk // MiB} MiB")
         fmt = CasFormat(state, compress=True, chunk_size=chunk)
         path = os.path.join(scratch, fmt.target)
-        save_t, _ = measure(fmt.save, reps=1, warmup=s.warmup, setup=lambda p=path, f=fmt: f.fresh(p), teardown=fmt.done)
+        save_t, _ = measure(fmt.save, reps=1, warmup=s.warmup, setup=lambda p=path, f=fmt: f.fresh(p),
+                            teardown=fmt.done)
         full_disk = du(path)
         load_t, _ = measure(fmt.load, reps=1, warmup=s.warmup, setup=lambda p=path: drop_cache(p) or p)
         run = incremental_chain(fmt, path, mutator, INCREMENTAL_SAVES)
@@ -645,9 +648,11 @@ def print_sweep(rows: list[dict], note: str) -> None:
     print(f"  {'chunk':>6} {'full save':>10} {'GB/s':>6} {'on disk':>11} {'cold load':>10} {'GB/s':>6} "
           f"{'incr. min':>10} {'incr. med':>10} {'after chain':>12} {'vs torch':>9}")
     for r in rows:
-        print(f"  {r['chunk_MiB']:>3} MiB {fmt_s(r['save_s']):>10} {r['save_GBps']:>6.2f} {fmt_b(r['full_disk_bytes']):>11} "
+        print(f"  {r['chunk_MiB']:>3} MiB {fmt_s(r['save_s']):>10} {r['save_GBps']:>6.2f} "
+              f"{fmt_b(r['full_disk_bytes']):>11} "
               f"{fmt_s(r['load_s']):>10} {r['load_GBps']:>6.2f} {fmt_s(r['incremental_min_s']):>10} "
-              f"{fmt_s(r['incremental_median_s']):>10} {fmt_b(r['disk_bytes_after_chain']):>12} {fmt_x(r['vs_torch_files']):>9}")
+              f"{fmt_s(r['incremental_median_s']):>10} {fmt_b(r['disk_bytes_after_chain']):>12} "
+              f"{fmt_x(r['vs_torch_files']):>9}")
     print(f"  (vs torch: store size after the chain / {INCREMENTAL_SAVES + 1} torch.save files; {note})")
 
 

@@ -1,0 +1,119 @@
+"""Hugging Face transformers: keep a Trainer's checkpoints in a cas store (incremental,
+deduplicated, every byte verified on load). Importing this module imports transformers; nothing
+else in cas does.
+
+    from cas.store.hf import CasCallback, resume
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[CasCallback("runs/exp1/ckpt")])
+    trainer.train()
+    # later, in a fresh process, with a Trainer built the same way:
+    resume(trainer, "runs/exp1/ckpt")          # the latest checkpoint; step=N for another
+
+On each save event CasCallback stores the model, optimizer, scheduler, RNG states and the
+TrainerState as checkpoint `state.global_step`. `resume` writes that checkpoint as the folder
+Trainer.train(resume_from_checkpoint=...) reads, in a temporary folder, and trains from it, so
+the Trainer's own resume logic (data skipping, RNG, schedules) runs unchanged.
+
+The Trainer still writes its checkpoint-N folders; keep_folders=False removes each one once the
+store holds it. The store's retention (cas.open(path, retention=Retention(keep_last=3))), not
+save_total_limit, decides which stored checkpoints stay. A store opens once per process: to
+resume in the process that trained, pass the callback's open store (callback.store). Single process (or data parallel, saved by the main process) only: FSDP and
+DeepSpeed shard state that this callback does not gather, and a GradScaler is not saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import tempfile
+from typing import Iterator
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from cas.errors import CasError
+
+from .store import Store
+
+# File names Trainer.train(resume_from_checkpoint=...) reads (transformers.trainer's constants).
+WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE = "model.safetensors", "optimizer.pt", "scheduler.pt"
+RNG_FILE, TRAINER_STATE_FILE = "rng_state.pth", "trainer_state.json"
+
+
+@contextlib.contextmanager
+def _opened(store: str | os.PathLike | Store) -> Iterator[Store]:
+    """The store itself, or one opened at the path and closed afterwards."""
+    if isinstance(store, Store):
+        yield store
+    else:
+        with Store(store) as opened:
+            yield opened
+
+
+def rng_state() -> dict:
+    """The RNG states a single-process Trainer saves in rng_state.pth, in its layout."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state()
+    return state
+
+
+def _metrics(state) -> dict:
+    """The numbers of the last log entry (loss, learning_rate, ...), as the checkpoint's metrics."""
+    last = state.log_history[-1] if state.log_history else {}
+    return {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class CasCallback(TrainerCallback):
+    """Saves the training state into a cas store on every save event of a Trainer."""
+
+    def __init__(self, store: str | os.PathLike | Store, *, keep_folders: bool = True) -> None:
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.keep_folders = keep_folders
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None,
+                optimizer=None, lr_scheduler=None, **kwargs) -> None:
+        if not state.is_world_process_zero:
+            return
+        if model is None or optimizer is None:
+            raise CasError("the Trainer passed no model or optimizer to on_save; cannot store the checkpoint")
+        self.store.save({"model": model, "optimizer": optimizer, "scheduler": lr_scheduler, "rng": rng_state(),
+                         "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)},
+                        step=state.global_step, metrics=_metrics(state))
+        if not self.keep_folders:
+            shutil.rmtree(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+                          ignore_errors=True)
+
+
+def checkpoint_folder(store: str | os.PathLike | Store, folder: str, step: int | None = None) -> str:
+    """Write the store's checkpoint `step` (the latest by default) into `folder` as the files
+    Trainer.train(resume_from_checkpoint=folder) reads; returns `folder`."""
+    from safetensors.torch import save_file
+
+    with _opened(store) as opened:
+        state = opened.load(step)
+    needed = ("model", "optimizer", "rng", "trainer_state")
+    missing = [k for k in needed if k not in state] if isinstance(state, dict) else list(needed)
+    if missing:
+        raise CasError(f"checkpoint {'step ' + str(step) if step is not None else '(latest)'} was not saved by "
+                       f"CasCallback: it lacks {missing}")
+    os.makedirs(folder, exist_ok=True)
+    save_file(dict(state["model"]), os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+    torch.save(state["optimizer"], os.path.join(folder, OPTIMIZER_FILE))
+    if state.get("scheduler") is not None:
+        torch.save(state["scheduler"], os.path.join(folder, SCHEDULER_FILE))
+    torch.save(state["rng"], os.path.join(folder, RNG_FILE))
+    with open(os.path.join(folder, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
+        f.write(state["trainer_state"])
+    return folder
+
+
+def resume(trainer: Trainer, store: str | os.PathLike | Store, step: int | None = None, **train_kwargs):
+    """trainer.train() resumed from the store's checkpoint `step` (the latest by default)."""
+    with tempfile.TemporaryDirectory(prefix="cas-resume-") as folder:
+        return trainer.train(resume_from_checkpoint=checkpoint_folder(store, folder, step), **train_kwargs)

@@ -1,0 +1,537 @@
+"""Interop with the files other tools read and write, and comparisons between checkpoints.
+
+- export: a checkpoint's tensors as one safetensors file, the format serving stacks read. A
+  weights-only export is NOT a training checkpoint: optimizer step counts, RNG state, the data
+  position and every other non-tensor value are left out, so training cannot resume from it.
+- import: safetensors files and torch.save files become checkpoints, deduplicated like any save.
+  A torch.save file is read with torch.load(weights_only=True) and nothing else: a file that needs
+  more (arbitrary pickled objects) is refused, never unpickled.
+- diff: per tensor path, what changed between two checkpoints, and the stored bytes they share.
+- exclusive_bytes: per checkpoint, the stored bytes only it references (what deleting it frees).
+
+This module belongs to cas.store, which knows nothing of gc: the functions that need
+reachability take gc's Marker class as an argument (cas.api passes it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from cas.errors import CasError, CorruptionError
+from cas.fsutil import fsync_dir, tmp_name
+
+from . import pipeline
+from .registry import Checkpoint, exists_error
+from .store import _select
+from .tensors import TORCH_DTYPES
+from .tree import path_join
+from .values import Ref, numpy_dtype
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total or 0), as gc's progress
+
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+EXPORT_NOTE = "weights-only export of a cas checkpoint; not a training checkpoint"
+STEP_RULE = ("a file's step is the last number in its name without the suffix "
+             "(ckpt-500.pt -> 500, step_1000.safetensors -> 1000, epoch=3-step=1200.ckpt -> 1200)")
+
+
+class ImportRefusedError(CasError):
+    """A file to import is not one we read safely: it needs more than weights-only loading,
+    is not a checkpoint file, or its step cannot be told."""
+
+
+# --- walking a checkpoint's leaves ----------------------------------------------------------
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf of a checkpoint's state: a tensor (its node and reference) or a plain value."""
+
+    path: str
+    ref: Ref | None = None
+    node: dict | None = None
+    value: object = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.node is not None
+
+
+def iter_leaves(store, ck: Checkpoint, keys=None) -> Iterator[Leaf]:
+    """Every leaf of a checkpoint (or of its top-level `keys`) in state order, reading manifest
+    nodes only, so that callers can pick the tensors whose bytes they need."""
+    top = store._top_value(ck)
+    if keys is not None:
+        top = _select(top, keys, ck.step)
+    return _leaves(store, top, "", ck.step)
+
+
+def _leaves(store, value, path: str, step: int) -> Iterator[Leaf]:
+    if isinstance(value, Ref):
+        node = store._node(value.key, step, path)
+        if node["k"] == "tensor":
+            yield Leaf(path, value, node)
+        elif node["k"] == "value":
+            yield from _leaves(store, node["v"], path, step)
+        else:
+            raise CorruptionError("a commit node appears inside a state tree", key=value.key.hex(), step=step,
+                                  path=path)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(store, v, path_join(path, k), step)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(store, v, path_join(path, i), step)
+    else:
+        yield Leaf(path, value=value)
+
+
+def tensor_leaves(store, ck: Checkpoint) -> dict[str, Leaf]:
+    return {leaf.path: leaf for leaf in iter_leaves(store, ck) if leaf.is_tensor}
+
+
+def read_tensor(store, leaf: Leaf, step: int):
+    """Decode one tensor (every chunk checked against its hash) without loading the rest."""
+    jobs: list = []
+    out = store._materialize(leaf.ref, leaf.path, step, jobs, {})
+    try:
+        pipeline.read_tensor_chunks(store.objects, jobs, store._pool, window=4 * store._workers)
+    except CorruptionError as exc:
+        raise exc.located(step=step) from None
+    return out
+
+
+def torch_dtype_of(node: dict) -> torch.dtype | None:
+    """The torch dtype a tensor node's values have (numpy arrays included); None if torch has none."""
+    if node["lib"] == "torch":
+        return TORCH_DTYPES[node["dtype"]]
+    try:
+        return torch.from_numpy(np.empty(0, dtype=numpy_dtype(node["dtype"]))).dtype
+    except TypeError:
+        return None
+
+
+# --- export ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExportReport:
+    path: str
+    step: int
+    checkpoint_id: str
+    tensors: int
+    bytes: int
+    skipped: list[str]  # paths of the non-tensor values left out
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@functools.cache
+def safetensors_dtypes() -> frozenset:
+    """The torch dtypes that survive a safetensors round trip (probed: safetensors writes some
+    dtypes it cannot read back)."""
+    from safetensors.torch import load, save
+
+    ok = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is "experimental"
+        for dtype in TORCH_DTYPES.values():
+            with contextlib.suppress(Exception):
+                if load(save({"x": torch.zeros(1, dtype=dtype)}))["x"].dtype == dtype:
+                    ok.add(dtype)
+    return frozenset(ok)
+
+
+def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
+           progress: Progress | None = None) -> ExportReport:
+    """Write checkpoint `step`'s tensors (or those under the top-level `keys`) to one
+    safetensors file, names flattened with dots ("model.layer.weight"), for serving or
+    evaluation. It is a weights-only artifact, not a training checkpoint: non-tensor values are
+    left out (and listed in the report) and nothing in it can resume training. With `relative`
+    and exactly one key, names drop that key ("layer.weight"), as the model's load_state_dict
+    expects. The file's metadata carries the step and checkpoint id."""
+    ck = store.get(step)
+    keys = [keys] if isinstance(keys, str) else keys
+    prefix = _relative_prefix(keys, relative)
+    leaves = list(iter_leaves(store, ck, keys))
+    todo = [leaf for leaf in leaves if leaf.is_tensor]
+    names = _export_names(todo, prefix)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (name, leaf) in enumerate(zip(names, todo), 1):
+        value = read_tensor(store, leaf, ck.step)
+        tensors[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        if progress:
+            progress("export", i, len(todo))
+    metadata = {"format": "pt", "cas.step": str(ck.step), "cas.checkpoint_id": ck.id, "cas.note": EXPORT_NOTE}
+    if keys is not None:
+        metadata["cas.keys"] = json.dumps(list(keys))
+    _write_safetensors(tensors, os.fspath(path), metadata)
+    return ExportReport(os.fspath(path), ck.step, ck.id, len(tensors), sum(leaf.node["nbytes"] for leaf in todo),
+                        [leaf.path for leaf in leaves if not leaf.is_tensor])
+
+
+def _relative_prefix(keys, relative: bool) -> str:
+    if not relative:
+        return ""
+    if keys is None or len(keys) != 1:
+        raise CasError("relative names need exactly one selected key (e.g. keys=['model'])")
+    return f"{keys[0]}."
+
+
+def _export_names(leaves: list[Leaf], prefix: str) -> list[str]:
+    """Each tensor's name in the file, refusing dtypes safetensors cannot hold and names that two
+    paths flatten to, before any tensor bytes are read."""
+    names, seen = [], set()
+    for leaf in leaves:
+        if torch_dtype_of(leaf.node) not in safetensors_dtypes():
+            raise CasError(f"tensor {leaf.path!r} has dtype {leaf.node['dtype']}, which safetensors cannot hold; "
+                           "select other keys to leave it out")
+        name = leaf.path[len(prefix):] if prefix and leaf.path.startswith(prefix) else leaf.path
+        name = name or "tensor"  # a checkpoint that is one bare tensor
+        if name in seen:
+            raise CasError(f"two tensors flatten to the name {name!r}; a safetensors file needs distinct names")
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """Write atomically: a reader never sees a half-written file under the final name."""
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise CasError(f"cannot write {path}: the folder {directory} does not exist")
+    tmp = tmp_name(directory, os.path.basename(path))
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(directory)
+
+
+# --- import ---------------------------------------------------------------------------------
+def file_kind(path: str) -> str | None:
+    """"safetensors", "torch.save" or None (not a checkpoint file), from the file's suffix."""
+    name = os.path.basename(path).lower()
+    if name.endswith(SAFETENSORS_SUFFIXES):
+        return "safetensors"
+    if name.endswith(TORCH_SAVE_SUFFIXES):
+        return "torch.save"
+    return None
+
+
+def step_from_name(path: str) -> int | None:
+    """The step a checkpoint file's name gives (see STEP_RULE); None when it holds no number."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    numbers = re.findall(r"\d+", stem)
+    return int(numbers[-1]) if numbers else None
+
+
+def read_weights_file(path: str) -> tuple[object, dict]:
+    """(state, meta) of a safetensors or torch.save file. Nothing but tensors and plain
+    containers is ever unpickled."""
+    kind = file_kind(path)
+    if kind is None:
+        raise ImportRefusedError(f"{path} is not a checkpoint file cas imports (suffixes: "
+                                 f"{', '.join(SAFETENSORS_SUFFIXES + TORCH_SAVE_SUFFIXES)})")
+    state, meta = _read_safetensors(path) if kind == "safetensors" else _read_torch_save(path)
+    return state, {"imported_from": os.path.basename(path), "import_format": kind, **meta}
+
+
+def _read_safetensors(path: str) -> tuple[dict, dict]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            return {name: f.get_tensor(name) for name in f.keys()}, {"safetensors_metadata": metadata}
+    except SafetensorError as exc:
+        raise CasError(f"cannot read {path} as a safetensors file: {exc}") from None
+
+
+def _read_torch_save(path: str) -> tuple[object, dict]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        raise ImportRefusedError(
+            f"refused {path}: weights-only loading failed ({_unpickling_detail(exc)}); cas reads torch.save "
+            "files only with torch.load(weights_only=True) and never unpickles arbitrary objects: re-save it "
+            "holding only tensors and plain containers, or as .safetensors") from None
+    except Exception as exc:  # noqa: BLE001 - torch.load fails on bad input in many ways; all mean "cannot read"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CasError(f"cannot read {path} as a torch.save file: {first}") from None
+    return state, {}
+
+
+def _unpickling_detail(exc: Exception) -> str:
+    """The one informative paragraph of torch's long weights-only error."""
+    for part in str(exc).split("\n\n"):
+        part = " ".join(part.split())
+        if part and not part.startswith(("Weights only load failed", "Check the documentation")):
+            return part.removeprefix("Please file an issue with the following so that we can make "
+                                     "`weights_only=True` compatible with your use case: ")
+    return "unknown reason"
+
+
+def import_file(store, path: str | os.PathLike, *, step: int | None = None) -> Checkpoint:
+    """Save one safetensors or torch.save file as checkpoint `step` (default: the number in its
+    name, see STEP_RULE). Dedup applies: tensors the store holds already cost nothing."""
+    path = os.fspath(path)
+    if step is None:
+        step = step_from_name(path)
+        if step is None:
+            raise ImportRefusedError(f"cannot tell the step of {path}: {STEP_RULE}; give the step explicitly")
+    if store.exists(step):
+        raise exists_error(step)
+    state, meta = read_weights_file(path)
+    try:
+        return store.save(state, step=step, meta=meta)
+    except TypeError as exc:
+        raise TypeError(f"{path}: {exc}") from None
+
+
+@dataclass
+class FolderImport:
+    checkpoints: list[tuple[str, Checkpoint]] = field(default_factory=list)  # (file, checkpoint)
+    ignored: list[str] = field(default_factory=list)  # names that are not checkpoint files
+
+
+def plan_folder(store, folder: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """((step, file) in step order, ignored names) for a folder of checkpoint files, one per
+    step. Refuses, before anything is imported, files whose step cannot be told, two files with
+    one step, and steps the store holds already."""
+    files, ignored, unnumbered = [], [], []
+    for name in sorted(os.listdir(folder)):
+        full = os.path.join(folder, name)
+        if not os.path.isfile(full) or file_kind(name) is None:
+            ignored.append(name)
+        elif (step := step_from_name(name)) is None:
+            unnumbered.append(name)
+        else:
+            files.append((step, full))
+    if unnumbered:
+        raise ImportRefusedError(f"cannot tell the step of {', '.join(unnumbered)} in {folder}: {STEP_RULE}; "
+                                 "rename them, or import each with an explicit step")
+    if not files:
+        raise ImportRefusedError(f"{folder} holds no checkpoint files "
+                                 f"({', '.join(SAFETENSORS_SUFFIXES + TORCH_SAVE_SUFFIXES)})")
+    _refuse_step_clashes(store, files)
+    return sorted(files), ignored
+
+
+def _refuse_step_clashes(store, files: list[tuple[int, str]]) -> None:
+    by_step: dict[int, list[str]] = {}
+    for step, path in files:
+        by_step.setdefault(step, []).append(os.path.basename(path))
+    twice = [names for names in by_step.values() if len(names) > 1]
+    if twice:
+        raise ImportRefusedError(f"these files give the same step: {'; '.join(', '.join(n) for n in twice)}")
+    held = sorted(step for step in by_step if store.exists(step))
+    if held:
+        raise ImportRefusedError(f"the store already holds steps {held}; steps are never overwritten")
+
+
+def import_folder(store, folder: str | os.PathLike, *, progress: Progress | None = None) -> FolderImport:
+    """Import every checkpoint file of a folder (one file per step, the step from each name)."""
+    files, ignored = plan_folder(store, os.fspath(folder))
+    out = FolderImport(ignored=ignored)
+    for i, (step, path) in enumerate(files, 1):
+        out.checkpoints.append((path, import_file(store, path, step=step)))
+        if progress:
+            progress("import", i, len(files))
+    return out
+
+
+# --- diff -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorChange:
+    path: str
+    status: str  # "unchanged", "changed", "added" or "removed"
+    dtype: str  # in the newer checkpoint (the older one for a removed tensor)
+    shape: list[int]
+    chunks_changed: float | None = None  # share of chunks that differ (changed tensors)
+    max_abs_diff: float | None = None  # changed floating tensors of one shape (any float dtypes)
+    was: str | None = None  # "float32 [4, 4]" when the dtype or shape changed
+
+
+@dataclass
+class DiffReport:
+    a: int
+    b: int
+    tensors: list[TensorChange]
+    a_stored_bytes: int  # stored bytes of every object each checkpoint references
+    b_stored_bytes: int
+    shared_bytes: int  # stored bytes of the objects both reference
+
+    def count(self, status: str) -> int:
+        return sum(1 for t in self.tensors if t.status == status)
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b,
+                "summary": {s: self.count(s) for s in ("unchanged", "changed", "added", "removed")},
+                "tensors": [{**asdict(t), "max_abs_diff": _json_number(t.max_abs_diff)} for t in self.tensors],
+                "a_stored_bytes": self.a_stored_bytes, "b_stored_bytes": self.b_stored_bytes,
+                "shared_bytes": self.shared_bytes}
+
+
+def _json_number(x: float | None):
+    """JSON has no inf or NaN: those become strings."""
+    return x if x is None or np.isfinite(x) else str(x)
+
+
+def diff(store, a: int, b: int, marker_cls, *, progress: Progress | None = None) -> DiffReport:
+    """Compare checkpoint `a` with checkpoint `b`, per tensor path. Chunk keys tell what changed
+    without reading tensor bytes; only changed floating tensors are loaded, for the max abs diff."""
+    ck_a, ck_b = store.get(a), store.get(b)
+    before, after = tensor_leaves(store, ck_a), tensor_leaves(store, ck_b)
+    changes = [_compare(path, before.get(path), leaf) for path, leaf in after.items()]
+    changes += [_compare(path, leaf, None) for path, leaf in before.items() if path not in after]
+    measurable = [i for i, c in enumerate(changes) if c.status == "changed"
+                  and _comparable(before[c.path].node, after[c.path].node)]
+    for n, i in enumerate(measurable, 1):
+        path = changes[i].path
+        delta = max_abs_diff(read_tensor(store, before[path], a), read_tensor(store, after[path], b))
+        changes[i] = replace(changes[i], max_abs_diff=delta)
+        if progress:
+            progress("diff", n, len(measurable))
+    live_a, live_b = reachable(store, ck_a, marker_cls), reachable(store, ck_b, marker_cls)
+    sizes = stored_sizes(store, live_a | live_b)
+    return DiffReport(a, b, changes, _total(sizes, live_a), _total(sizes, live_b), _total(sizes, live_a & live_b))
+
+
+def _describe(node: dict) -> str:
+    return f"{node['dtype']} {node['shape']}"
+
+
+def _compare(path: str, old: Leaf | None, new: Leaf | None) -> TensorChange:
+    if new is None:
+        return TensorChange(path, "removed", old.node["dtype"], old.node["shape"])
+    n = new.node
+    if old is None:
+        return TensorChange(path, "added", n["dtype"], n["shape"])
+    o = old.node
+    same_layout = (o["lib"], o["dtype"], o["shape"], o["skew"]) == (n["lib"], n["dtype"], n["shape"], n["skew"])
+    if same_layout and o["chunks"] == n["chunks"]:
+        return TensorChange(path, "unchanged", n["dtype"], n["shape"])
+    if not same_layout:
+        was = _describe(o) if (o["dtype"], o["shape"]) != (n["dtype"], n["shape"]) else None
+        return TensorChange(path, "changed", n["dtype"], n["shape"], 1.0, was=was)
+    differ = sum(1 for x, y in zip(o["chunks"], n["chunks"]) if x != y)
+    return TensorChange(path, "changed", n["dtype"], n["shape"], differ / len(n["chunks"]))
+
+
+def _is_floating(node: dict) -> bool:
+    dtype = torch_dtype_of(node)
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+def _comparable(old: dict, new: dict) -> bool:
+    """Whether a max abs difference means something: floating values of one shape (a change of
+    precision, fp32 to bf16, included)."""
+    return old["shape"] == new["shape"] and _is_floating(old) and _is_floating(new)
+
+
+def _wide(x) -> np.ndarray:
+    """Values as float64 (complex128 for complex), whatever the tensor's dtype (bf16, float8...)."""
+    if isinstance(x, torch.Tensor):
+        x = x.to(torch.complex128 if x.is_complex() else torch.float64).numpy()
+    return np.asarray(x, dtype=np.complex128 if x.dtype.kind == "c" else np.float64)
+
+
+def max_abs_diff(x, y) -> float:
+    """The largest |x - y| over the elements (the modulus for complex values). Equal values,
+    infinities included, and NaN against NaN count 0; NaN against a number counts infinity."""
+    wx, wy = _wide(x), _wide(y)
+    if wx.size == 0:
+        return 0.0
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, set right below
+        delta = np.abs(wx - wy)
+    delta[np.isnan(delta)] = np.inf
+    delta[(wx == wy) | (np.isnan(wx) & np.isnan(wy))] = 0.0
+    return float(delta.max())
+
+
+# --- reachability (gc's Marker passed in) ---------------------------------------------------
+def reachable(store, ck: Checkpoint, marker_cls) -> set[bytes]:
+    """Every object key checkpoint `ck` references (manifest nodes and chunks)."""
+    marker = marker_cls(store)
+    marker.mark([ck.key])
+    return marker.live
+
+
+def stored_sizes(store, keys: Iterable[bytes]) -> dict[bytes, int]:
+    """Each indexed object's stored (encoded) size; objects missing from the index are left out."""
+    with store.index.read() as txn:
+        return {k: rec.stored_size for k in keys if (rec := store.index.record(txn, k)) is not None}
+
+
+def _total(sizes: dict[bytes, int], keys: Iterable[bytes]) -> int:
+    return sum(sizes.get(k, 0) for k in keys)
+
+
+class _FirstReach(set):
+    """A Marker's live set that notes which root was being marked when each key came in. The
+    Marker adds keys with add, update or |=; a key already in stays with its first root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root: int | None = None
+        self.first: dict[bytes, int] = {}
+
+    def add(self, key: bytes) -> None:
+        if key not in self:
+            self.first[key] = self.root
+            super().add(key)
+
+    def update(self, *iterables) -> None:
+        for keys in iterables:
+            for key in keys:
+                self.add(key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+def _first_reachers(store, cks: list[Checkpoint], marker_cls, progress: Progress | None) -> dict[bytes, int]:
+    """For each object, the step of the first checkpoint in `cks` that references it: one Marker
+    marks the roots in turn, and a root's walk stops where an earlier root's walk went."""
+    marker = marker_cls(store)
+    marker.live = reach = _FirstReach()
+    for ck in cks:
+        reach.root = ck.step
+        marker.mark([ck.key], progress)
+    return reach.first
+
+
+def exclusive_bytes(store, marker_cls, checkpoints: list[Checkpoint] | None = None, *,
+                    progress: Progress | None = None) -> dict[int, int]:
+    """Per checkpoint step, the stored bytes of the objects no other checkpoint references: what
+    deleting it (then gc) would free. Marking oldest-first gives each object's first referencing
+    checkpoint, newest-first its last; an object is exclusive when the two are the same. Each
+    pass visits each object once: O(unique objects), not checkpoints x objects."""
+    cks = list(checkpoints) if checkpoints is not None else store.checkpoints()
+    first = _first_reachers(store, cks, marker_cls, progress)
+    last = _first_reachers(store, cks[::-1], marker_cls, progress)
+    sizes = stored_sizes(store, first)
+    out = dict.fromkeys((ck.step for ck in cks), 0)
+    for key, step in first.items():
+        if last[key] == step:
+            out[step] += sizes.get(key, 0)
+    return out
