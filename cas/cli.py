@@ -14,19 +14,21 @@ import sys
 from typing import Callable
 
 from .errors import CasError
+from .progress import progress_for
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 COMMANDS: dict[str, Callable] = {}
 
 
 def command(name: str, help: str, arguments: Callable | None = None, *, read_only: bool = False,
-            opens_store: bool = True):
+            opens_store: bool = True, creates_store: bool = False):
     """Register `fn(store, args) -> exit status` as `cas NAME`; `arguments(parser)` adds its
     flags. With opens_store=False it gets the store's path instead (for repair, which must run
-    when the store cannot be opened). Commands may live in other modules that import this one."""
+    when the store cannot be opened); with creates_store=True a missing or empty folder becomes
+    a new store (for import). Commands may live in other modules that import this one."""
     def register(fn):
         fn.cli_name, fn.cli_help, fn.cli_arguments, fn.cli_read_only = name, help, arguments, read_only
-        fn.cli_opens_store = opens_store
+        fn.cli_opens_store, fn.cli_creates_store = opens_store, creates_store
         COMMANDS[name] = fn
         return fn
     return register
@@ -142,7 +144,8 @@ def cmd_show(store, args) -> int:
 
 @command("verify", "check every object of one or all checkpoints against its hash", _add_verify, read_only=True)
 def cmd_verify(store, args) -> int:
-    report = store.verify(args.step, quick=args.quick)
+    with progress_for(args) as progress:
+        report = store.verify(args.step, quick=args.quick, progress=progress)
     if args.json:
         _emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
@@ -203,22 +206,6 @@ def cmd_unpin(store, args) -> int:
     return EXIT_OK
 
 
-class _TerminalProgress:
-    """One self-overwriting status line on stderr, only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.enabled = sys.stderr.isatty()
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r{phase}: {done}" + (f"/{total}" if total else "") + " objects\x1b[K")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\x1b[K")
-
-
 @command("gc", "apply retention rules, then reclaim the space of unreferenced objects", _add_gc)
 def cmd_gc(store, args) -> int:
     from .gc import Retention
@@ -231,11 +218,8 @@ def cmd_gc(store, args) -> int:
               "--keep-best METRIC:min|max:N, --keep-within 2d, or --keep-all to only reclaim garbage); "
               "refusing to delete every checkpoint", file=sys.stderr)
         return EXIT_USAGE
-    progress = _TerminalProgress()
-    try:
+    with progress_for(args) as progress:
         report = store.gc(retention if retention.has_rules else None, dry_run=args.dry_run, progress=progress)
-    finally:
-        progress.close()
     if args.json:
         _emit_json(report.to_json())
         return EXIT_OK
@@ -300,18 +284,22 @@ def main(argv: list[str] | None = None) -> int:
         fn = COMMANDS[args.command]
         if not fn.cli_opens_store:
             return fn(path, args)
-        with Store(path, create=False, readonly=fn.cli_read_only) as store:
+        with Store(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
             return fn(store, args)
-    except (CasError, OSError) as exc:
-        print(f"cas: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except BrokenPipeError:  # `cas ls | head`: the reader left; that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except (CasError, OSError) as exc:
+        print(f"cas: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("cas: interrupted", file=sys.stderr)
         return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m cas.cli`, this file is __main__; the commands that other modules register
+    # go into the real cas.cli module, so run that one.
+    from cas.cli import main as _main
+
+    sys.exit(_main())

@@ -1,5 +1,5 @@
-"""CLI commands for interop: `cas export`, `cas import`, `cas diff`; the tqdm progress bar that
-slow commands draw on a terminal; the exclusive-bytes column of `cas ls`.
+"""CLI commands for interop: `cas export`, `cas import`, `cas diff`; the exclusive-bytes column
+of `cas ls`.
 
 cas.cli imports this module right before it builds its parser, so these commands register with
 its `command` decorator like its own.
@@ -9,65 +9,15 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import CasError
 from .store.interop import STEP_RULE
 
 
-def _cli_module():
-    """The cas.cli module to register in. Under `python -m cas.cli` it runs as __main__, and
-    importing cas.cli there would make a second copy whose command table the parser never sees."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name == "cas.cli":
-        return main
-    from . import cli
-    return cli
+from . import cli  # noqa: E402  (cli imports this module at its end, after `command` exists)
+from .progress import progress_for  # noqa: E402
 
-
-cli = _cli_module()
 EXIT_OK, EXIT_USAGE = cli.EXIT_OK, cli.EXIT_USAGE
-
-
-# --- progress -------------------------------------------------------------------------------
-class Progress:
-    """A `progress(phase, done, total)` callable (gc's shape) that draws one tqdm bar per phase on
-    stderr, or nothing when disabled; total 0 means unknown."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._bar = None
-        self._phase: str | None = None
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if phase != self._phase:
-            self.close()
-            from tqdm import tqdm
-
-            self._bar = tqdm(desc=phase, total=total or None, file=sys.stderr, leave=False, dynamic_ncols=True)
-            self._phase = phase
-        if done < self._bar.n or (total or None) != self._bar.total:  # a new pass of the same phase
-            self._bar.reset(total=total or None)
-        self._bar.update(done - self._bar.n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        self._bar, self._phase = None, None
-
-
-@contextmanager
-def progress_for(args) -> Iterator[Progress]:
-    """Progress bars only for a person watching: stderr is a terminal and the output is not JSON."""
-    progress = Progress(sys.stderr.isatty() and not getattr(args, "json", False))
-    try:
-        yield progress
-    finally:
-        progress.close()
 
 
 def _usage_error(message: str) -> int:
@@ -128,7 +78,7 @@ def _add_import(p) -> None:
 
 
 @cli.command("import", "import .safetensors or torch.save files (read weights-only) as checkpoints; "
-             "a folder imports one file per step", _add_import)
+             "a folder imports one file per step", _add_import, creates_store=True)
 def cmd_import(store, args) -> int:
     folder = os.path.isdir(args.path)
     if folder and args.step is not None:

@@ -425,12 +425,13 @@ class Store:
         return ck
 
     # --- inspection ---------------------------------------------------------------------
-    def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
+    def verify(self, step: int | None = None, *, quick: bool = False, progress=None) -> VerifyReport:
         """Decode every object of one checkpoint (or all) and check it against its hash; with
-        quick=True check chunks for presence and size only."""
+        quick=True check chunks for presence and size only. `progress(phase, done, total)` is
+        called once per checkpoint."""
         self._check_open()
         cks = [self._resolve(step)] if step is not None else self.checkpoints()
-        return verify_checkpoints(self, cks, quick=quick)
+        return verify_checkpoints(self, cks, quick=quick, progress=progress)
 
     def stats(self) -> StoreStats:
         self._check_open()

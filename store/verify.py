@@ -73,7 +73,7 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
     return rec.raw_size
 
 
-def verify_checkpoints(store, checkpoints, *, quick: bool = False) -> VerifyReport:
+def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
     report = VerifyReport(quick=quick)
     verdict: dict[bytes, CorruptionError | None] = {}
 
@@ -88,7 +88,9 @@ def verify_checkpoints(store, checkpoints, *, quick: bool = False) -> VerifyRepo
                 verdict[key] = exc
         return verdict[key]
 
-    for ck in checkpoints:
+    for i, ck in enumerate(checkpoints):
+        if progress:
+            progress("verify", i, len(checkpoints))
         report.checked_checkpoints.append(ck.step)
         try:
             for tensor in store.tensors(ck.step):

@@ -1,0 +1,43 @@
+"""Progress bars for a person watching: one tqdm bar per phase on stderr, only when stderr is a
+terminal and the output is not JSON. Library calls take any `progress(phase, done, total)`
+callable (total 0: unknown); this is the one the CLI passes."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Progress:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._phase: str | None = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if phase != self._phase:
+            self.close()
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc=phase, total=total or None, file=sys.stderr, leave=False, dynamic_ncols=True)
+            self._phase = phase
+        if done < self._bar.n or (total or None) != self._bar.total:  # a new pass of the same phase
+            self._bar.reset(total=total or None)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._bar, self._phase = None, None
+
+
+@contextmanager
+def progress_for(args) -> Iterator[Progress]:
+    progress = Progress(sys.stderr.isatty() and not getattr(args, "json", False))
+    try:
+        yield progress
+    finally:
+        progress.close()
