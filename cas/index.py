@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,46 @@ class ObjectRecord:
         return cls(where, stored, raw, pack, offset, base, depth)
 
 
+_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users]
+_envs_lock = threading.Lock()
+
+
+def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> lmdb.Environment:
+    """One LMDB environment per store and process, shared by every Store opened on it: LMDB
+    forbids opening an environment twice in a process, and its transactions are thread-safe."""
+    real = os.path.realpath(path)
+    with _envs_lock:
+        entry = _envs.get(real)
+        if entry is not None:
+            if entry[1] and not readonly:
+                raise CasError(f"the store index at {path} is already open read-only in this process; "
+                               "close that store before opening it for writing")
+            entry[2] += 1
+            return entry[0]
+        try:
+            env = lmdb.open(path, subdir=True, create=create, readonly=readonly,
+                            lock=not readonly or os.access(path, os.W_OK),
+                            map_size=map_size, max_dbs=16, max_readers=512,
+                            readahead=False, sync=True, metasync=True)
+        except lmdb.Error as exc:
+            raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
+                           "from the objects on disk") from None
+        _envs[real] = [env, readonly, 1]
+        return env
+
+
+def _release_env(path: str) -> None:
+    real = os.path.realpath(path)
+    with _envs_lock:
+        entry = _envs.get(real)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _envs[real]
+            entry[0].close()
+
+
 class Index:
     """The store's LMDB environment and its tables."""
 
@@ -86,24 +127,18 @@ class Index:
                  map_size: int = DEFAULT_MAP_SIZE, extra_tables: tuple = ()) -> None:
         self.path = path
         self.readonly = readonly
-        try:
-            self.env = lmdb.open(path, subdir=True, create=create, readonly=readonly,
-                                 lock=not readonly or os.access(path, os.W_OK),
-                                 map_size=map_size, max_dbs=16, max_readers=512,
-                                 readahead=False, sync=True, metasync=True)
-        except lmdb.Error as exc:
-            raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
-                           "from the objects on disk") from None
+        self.env = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
         self.tables = {}
         for name in _TABLES + tuple(extra_tables):
             try:
                 self.tables[name] = self.env.open_db(name.encode(), create=not readonly)
-            except lmdb.NotFoundError:
-                raise CasError(f"the store index at {path} lacks table {name!r}: it is damaged "
-                               "or was written by another program") from None
+            except lmdb.Error as exc:
+                _release_env(path)
+                raise CasError(f"the store index at {path} cannot open table {name!r} ({exc}): it is damaged "
+                               "or was written by another program; `cas repair` rebuilds it") from None
 
     def close(self) -> None:
-        self.env.close()
+        _release_env(self.path)
 
     def db(self, name: str):
         return self.tables[name]
