@@ -53,3 +53,15 @@ def test_training_resumes_from_a_loaded_checkpoint_exactly(store_path):
     assert losses_a == losses_b
     for (k, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert tensor_bytes(a) == tensor_bytes(b), k
+
+
+def test_one_store_opened_twice_in_a_process(store_path):
+    a, b = cas.open(store_path), cas.open(store_path)
+    a.save({"x": torch.ones(3)}, step=1)
+    assert [ck.step for ck in b.checkpoints()] == [1]
+    a.close()
+    b.save({"x": torch.zeros(3)}, step=2)  # the shared environment outlives the first close
+    assert torch.equal(b.load(1)["x"], torch.ones(3))
+    b.close()
+    with cas.open(store_path, readonly=True) as ro:
+        assert len(ro.checkpoints()) == 2
