@@ -29,26 +29,41 @@ def write_parts(fd: int, parts) -> int:
     return total
 
 
-def atomic_write(path: str, parts, *, tmp_dir: str | None = None, fsync: bool = True) -> int:
-    """Write `parts` to `path` so that `path` holds either nothing or all of them."""
-    directory = os.path.dirname(path)
-    tmp = tmp_name(tmp_dir or directory, os.path.basename(path))
+def write_tmp(path: str, parts, *, tmp_dir: str | None = None, fsync: bool = True) -> str:
+    """Write `parts` to a fresh temporary file meant to become `path`; returns its name."""
+    tmp = tmp_name(tmp_dir or os.path.dirname(path), os.path.basename(path))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        n = write_parts(fd, parts)
+        write_parts(fd, parts)
         if fsync:
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
     os.close(fd)
+    return tmp
+
+
+def publish(tmp: str, path: str, *, fsync: bool = False) -> None:
+    """Rename a written temporary file into place (fsyncing it first when asked): readers see
+    all of it under `path` or nothing."""
     try:
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
-    return n
+
+
+def atomic_write(path: str, parts, *, tmp_dir: str | None = None) -> None:
+    """Write `parts` to `path` durably, so that `path` holds either nothing or all of them."""
+    publish(write_tmp(path, parts, tmp_dir=tmp_dir), path)
 
 
 def fsync_dir(path: str) -> None:
@@ -86,7 +101,7 @@ def read_file(path: str, limit: int, buffer: Callable[[int], memoryview] | None 
     return data
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

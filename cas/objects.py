@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from .errors import MissingObjectError
 from .fanout import FanoutDir
-from .fsutil import atomic_write, fsync_dir, read_file
+from .fsutil import fsync_dir, publish, read_file, unlink_quietly, write_tmp
 from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
@@ -27,9 +27,9 @@ class ObjectBackend(Protocol):
     def head(self, key: bytes, nbytes: int) -> bytes:
         """The first `nbytes` stored bytes (an object's header), without reading the rest."""
 
-    def put(self, key: bytes, parts: Iterable) -> int:
-        """Store the concatenation of `parts` under `key`, atomically; returns bytes written.
-        Durable once `sync()` returns."""
+    def put(self, key: bytes, parts: Iterable) -> None:
+        """Store the concatenation of `parts` under `key`, atomically. Durable once `sync()`
+        returns."""
 
     def has(self, key: bytes) -> int | None:
         """Size in bytes of the stored object, or None when absent."""
@@ -70,18 +70,34 @@ class FileObjects(FanoutDir):
         except FileNotFoundError:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
 
-    def put(self, key: bytes, parts: Iterable) -> int:
-        path = self.path(key)
-        directory = os.path.dirname(path)
-        if directory not in self._made:  # make the fan-out folder first, not after a failed rename
-            os.makedirs(directory, exist_ok=True)
+    def put(self, key: bytes, parts: Iterable) -> None:
+        self.publish([self.stage(key, parts, fsync=True)], fsync=False)
+
+    def stage(self, key: bytes, parts: Iterable, *, fsync: bool = False) -> tuple[str, bytes]:
+        """Write an object to a temporary file, not yet visible under its name. A writer stages
+        its objects while it encodes and publishes them all before its commit: the fsyncs then
+        come in one batch instead of stalling a worker thread after each object."""
+        return write_tmp(self.path(key), parts, tmp_dir=self.tmp_dir, fsync=fsync), key
+
+    def publish(self, staged: list[tuple[str, bytes]], *, fsync: bool = True) -> None:
+        """fsync each staged file (unless done already) and rename it into place; sync() then
+        makes the renames durable. A file under its final name is always complete."""
+        for tmp, key in staged:
+            path = self.path(key)
+            directory = os.path.dirname(path)
+            if directory not in self._made:
+                os.makedirs(directory, exist_ok=True)
+                with self._lock:
+                    self._made.add(directory)
+                    self._dirty.add(self.root)
+            publish(tmp, path, fsync=fsync)
             with self._lock:
-                self._made.add(directory)
-                self._dirty.add(self.root)
-        n = atomic_write(path, parts, tmp_dir=self.tmp_dir)
-        with self._lock:
-            self._dirty.add(directory)
-        return n
+                self._dirty.add(directory)
+
+    @staticmethod
+    def discard(staged: list[tuple[str, bytes]]) -> None:
+        for tmp, _ in staged:
+            unlink_quietly(tmp)
 
     def has(self, key: bytes) -> int | None:
         return self.size(key)

@@ -114,6 +114,7 @@ class WriteSession:
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
+        self._staged: list = []  # object files written, published (fsync, rename) at commit
         self._lock = threading.Lock()
         self._open = True
         with self.index.write() as txn:
@@ -173,9 +174,10 @@ class WriteSession:
             self._add_small(key, b"".join(bytes(p) for p in enc.parts), raw_size, enc.base, depth)
         else:
             faults.point("session.before_file_write")
-            self.store.files.put(key, enc.parts)
+            staged = self.store.files.stage(key, enc.parts)
             faults.point("session.file_written")
             with self._lock:
+                self._staged.append(staged)
                 self._written[key] = ObjectRecord(WHERE_FILE, enc.size, raw_size, base=enc.base, depth=depth)
         return enc.size
 
@@ -229,6 +231,8 @@ class WriteSession:
         `finish(txn)` and end the lease. If `finish` raises, nothing of it is committed."""
         self._check_open()
         self._flush_pack()
+        self.store.files.publish(self._staged)
+        self._staged = []
         self.store.files.sync()
         faults.point("commit.synced")
         with self.index.write() as txn:
@@ -248,6 +252,7 @@ class WriteSession:
         if not self._open:
             return
         self._open = False
+        self.store.files.discard(self._staged)
         try:
             with self.index.write() as txn:
                 self.index.end_lease(txn, self.lease)

@@ -99,16 +99,18 @@ def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.nd
 
 
 def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadPoolExecutor,
-                  window_bytes: int, bases: dict[str, BaseTensor] | None = None, max_chain: int = 0) -> None:
+                  window_bytes: int, bases: dict[str, BaseTensor] | None = None, max_chain: int = 0,
+                  hash_pool: ThreadPoolExecutor | None = None) -> None:
     """Fill every leaf's chunk keys and store the chunks the store lacks; with `bases`, a changed
     chunk may be coded as a delta against the previous save's chunk at its position, as long as
-    that base is stored and its chain is shorter than `max_chain`."""
+    that base is stored and its chain is shorter than `max_chain`. Hashing runs on `hash_pool`
+    when given, so the next batch is hashed while the previous one is encoded and written."""
     bases = bases or {}
     inflight: deque[tuple[int, Future]] = deque()
     inflight_bytes = 0
     try:
         for batch in _batches(_chunks(leaves), CLAIM_BATCH, max(window_bytes // 2, 1)):
-            keys = list(pool.map(lambda c: hash_bytes(c[2]), batch))
+            keys = list((hash_pool or pool).map(lambda c: hash_bytes(c[2]), batch))
             candidates = [_base_of(bases, *item) if bases else None for item in batch]
             stored = session.claim(keys + [c[0] for c in candidates if c is not None])[:len(keys)]
             faults.point("save.hashed")

@@ -113,6 +113,7 @@ class Store:
         self.window_bytes = window_bytes
         self._workers = workers or os.cpu_count() or 2
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
+        self._hash_pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas-hash")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
         self.max_inflight = max_inflight
         self._inflight: list[SaveFuture] = []
@@ -146,6 +147,7 @@ class Store:
             self._closed = True
             self._background.shutdown(wait=True)
             self._pool.shutdown(wait=True)
+            self._hash_pool.shutdown(wait=True)
             self.index.close()
             self._arenas.clear()
 
@@ -256,7 +258,8 @@ class Store:
 
     def _commit_job(self, job: "_SaveJob", bases: dict) -> Checkpoint:
         with self.objects.session(f"save step {job.step}") as session:
-            pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain)
+            pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain,
+                                   self._hash_pool)
             faults.point("save.chunks_written")
             root, nodes = encode_nodes(job.skeleton)
             logical = sum(leaf.nbytes for leaf in job.leaves)
