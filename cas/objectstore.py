@@ -72,26 +72,36 @@ class ObjectStore:
                     raise
         raise AssertionError("unreachable")
 
-    def get(self, key: bytes, out: np.ndarray | None = None, bases: dict | None = None,
-            _depth: int = 0) -> np.ndarray:
-        """Decoded, hash-checked raw bytes of an object (into `out` when given). A delta's chain
-        of bases is decoded first; `bases` caches decoded bases for the length of one load."""
+    def get(self, key: bytes, out: np.ndarray | None = None, bases: dict | None = None, *,
+            verify: bool = True, _depth: int = 0, _check_bases: bool = False) -> np.ndarray:
+        """Decoded raw bytes of an object (into `out` when given), checked against its hash
+        unless verify=False. A delta's chain of bases is decoded first; `bases` caches decoded
+        bases for the length of one load. The bases' own hashes are not checked on the way:
+        a wrong base makes a wrong result, which the final check refuses; only then is the chain
+        decoded again with every link checked, to name the damaged object."""
         if _depth > MAX_CHAIN_DECODE:
             raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=key.hex())
 
         def base(bkey: bytes, size: int) -> np.ndarray:
-            if bases is not None and bkey in bases:
+            if not _check_bases and bases is not None and bkey in bases:
                 return bases[bkey]
             try:
-                raw = self.get(bkey, None, bases, _depth + 1)
+                raw = self.get(bkey, None, bases, verify=_check_bases, _depth=_depth + 1, _check_bases=_check_bases)
             except CorruptionError as exc:
                 raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
                                       key=key.hex()) from None
-            if bases is not None:
+            if bases is not None and not _check_bases:
                 bases[bkey] = raw
             return raw
 
-        return decode_into(self.fetch(key), key, out, base)
+        data = self.fetch(key)
+        is_delta = parse_header(data, key=key).base is not None
+        try:
+            return decode_into(data, key, out, base, verify=verify)
+        except CorruptionError:
+            if not (verify and is_delta and not _check_bases):
+                raise
+        return self.get(key, out, None, verify=True, _depth=_depth, _check_bases=True)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name

@@ -72,7 +72,13 @@ def torch_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     if t.device.type != "cpu":
         t = t.to("cpu")
+    if not t.is_contiguous() and t.element_size() in _SAME_SIZE_INT:
+        # reinterpret first: torch cannot copy some dtypes (float4, bits) into a contiguous layout
+        t = t.view(_SAME_SIZE_INT[t.element_size()])
     return flat_bytes(t.contiguous()).numpy()
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ import torch
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach().cpu())  # standard strides
+    t = t.detach().cpu()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    if as_int is not None:  # torch cannot copy some dtypes (float4, bits): compare their bits
+        t = t.view(as_int)
+    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t)  # standard strides
     return fresh.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

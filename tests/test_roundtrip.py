@@ -124,3 +124,10 @@ def test_device_argument_moves_tensors(store):
     store.save({"w": torch.arange(6.0)}, step=1)
     out = store.load(1, device="cpu")
     assert out["w"].device.type == "cpu" and torch.equal(out["w"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn_x2", "bits8", "bits16", "float8_e8m0fnu", "bool"])
+def test_non_contiguous_views_of_dtypes_torch_cannot_copy(store, dtype):
+    t = make_tensor(dtype, (300, 130), 0, "transposed")
+    store.save({"t": t}, step=1)
+    assert_same(store.load(1), {"t": t})
