@@ -26,7 +26,7 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
     """Open the store at `path`, creating it when the path is missing or an empty folder.
 
     Options: create (default True), readonly, chunk_size (fixed at creation, default 4 MiB),
-    compress (default True), compression_level (zstd, default 1), workers (default: CPU count),
+    compress (default True), compression_level (zstd, default 1), workers (default: CPU count; loads use twice as many threads),
     window_bytes (in-flight chunk bytes while saving, default 256 MiB), retention (a
     cas.gc.Retention applied after every save).
     """

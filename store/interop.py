@@ -106,7 +106,7 @@ def read_tensor(store, leaf: Leaf, step: int):
     jobs: list = []
     out = store._materialize(leaf.ref, leaf.path, step, jobs, {})
     try:
-        pipeline.read_tensor_chunks(store.objects, jobs, store._pool, window=4 * store._workers)
+        pipeline.read_tensor_chunks(store.objects, jobs, store._read_pool, window=4 * store._workers)
     except CorruptionError as exc:
         raise exc.located(step=step) from None
     return out

@@ -114,6 +114,9 @@ class Store:
         self._workers = workers or os.cpu_count() or 2
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
         self._hash_pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas-hash")
+        # Loads wait on reads more than saves wait on writes: twice the threads keep the cores busy
+        # (measured by bench/bench_core.py; more threads made saves slower, fewer made loads slower).
+        self._read_pool = ThreadPoolExecutor(max_workers=2 * self._workers, thread_name_prefix="cas-read")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
         self.max_inflight = max_inflight
         self._inflight: list[SaveFuture] = []
@@ -148,6 +151,7 @@ class Store:
             self._background.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
+            self._read_pool.shutdown(wait=True)
             self.index.close()
             self._arenas.clear()
 
@@ -339,7 +343,7 @@ class Store:
         jobs: list = []
         state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, into))
         try:
-            pipeline.read_tensor_chunks(self.objects, jobs, self._pool, window=4 * self._workers)
+            pipeline.read_tensor_chunks(self.objects, jobs, self._read_pool, window=4 * self._workers)
         except CorruptionError as exc:
             raise exc.located(step=ck.step) from None
         return state
