@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import blake3
 
-from .errors import CasError
-
 KEY_SIZE = 32
-_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 def hash_bytes(data) -> bytes:
@@ -22,10 +19,3 @@ def hash_bytes(data) -> bytes:
 
 def to_hex(key: bytes) -> str:
     return key.hex()
-
-
-def from_hex(text: str) -> bytes:
-    """Parse a full 64-digit lowercase hex key, refusing anything else by name."""
-    if len(text) != 2 * KEY_SIZE or not set(text) <= _HEX_DIGITS:
-        raise CasError(f"not an object key: {text!r} (expected {2 * KEY_SIZE} lowercase hex digits)")
-    return bytes.fromhex(text)

@@ -22,10 +22,6 @@ class StagingArena:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
-
     def _reserve(self, nbytes: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None  # release the old one before allocating the larger one
@@ -53,6 +49,3 @@ class StagingArena:
             leaf.staged = dst.numpy() if leaf.nbytes else np.empty(0, dtype=np.uint8)
         if cuda:
             torch.cuda.synchronize()
-
-    def release(self) -> None:
-        self._buffer = None
