@@ -272,18 +272,6 @@ def _value_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data={"pickle": raw})
 
 
-def _window(jobs: Iterator[_TensorJob], max_bytes: int) -> Iterator[list[_TensorJob]]:
-    batch, size = [], 0
-    for job in jobs:
-        batch.append(job)
-        size += job.data.size
-        if size >= max_bytes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects) -> list[WriteResult]:
     """Every item of this rank's plan: tensor chunks to files (in parallel), values encoded."""
     results: list[WriteResult | None] = [None] * len(plan.items)
@@ -293,7 +281,7 @@ def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects
     jobs = (_tensor_job(n, item, planner, objects.chunk_size) for n, item in enumerate(plan.items)
             if item.type != WriteItemType.BYTE_IO)
     with ThreadPoolExecutor(max_workers=objects.workers, thread_name_prefix="cas-dcp") as pool:
-        for batch in _window(jobs, WRITE_WINDOW_BYTES):  # bounds the host copies held at once
+        for batch in pipeline.batches(jobs, lambda job: job.data.size, WRITE_WINDOW_BYTES):  # bounds host copies
             _write_tensor_jobs(batch, objects, pool)
             for job in batch:
                 results[job.position] = _tensor_result(job)
@@ -790,21 +778,13 @@ def _apply(region: _Region, planner: LoadPlanner) -> None:
     planner.commit_tensor(item, dest)
 
 
-def _region_batches(items: list[ReadItem], shards: dict, max_bytes: int) -> Iterator[list[tuple[_Region, list]]]:
-    batch, size = [], 0
+def _regions(items: list[ReadItem], shards: dict) -> Iterator[tuple[_Region, list]]:
     for item in items:
         node = shards.get(item.storage_index)
         if node is None:
             raise CasError(f"the checkpoint holds no chunk of {item.storage_index.fqn!r} at "
                            f"{list(item.storage_index.offset or [])}")
-        region, jobs = _region(item, node)
-        batch.append((region, jobs))
-        size += region.buffer.size
-        if size >= max_bytes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+        yield _region(item, node)
 
 
 class CasReader(StorageReader):
@@ -906,7 +886,8 @@ class CasReader(StorageReader):
             return
         with _opened(self._store, self.path, create=False, readonly=True, workers=self.workers) as store, \
                 ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cas-dcp") as pool:
-            for batch in _region_batches(items, loaded.shards, READ_WINDOW_BYTES):
+            for batch in pipeline.batches(_regions(items, loaded.shards), lambda r: r[0].buffer.size,
+                                          READ_WINDOW_BYTES):
                 try:
                     pipeline.read_tensor_chunks(store.objects, [job for _, jobs in batch for job in jobs], pool,
                                                 window=4 * self.workers)

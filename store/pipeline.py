@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -77,12 +77,15 @@ def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.
             yield leaf, i, data[start:end], start
 
 
-def _batches(items: Iterator, max_count: int, max_bytes: int) -> Iterator[list]:
+def batches(items: Iterable, nbytes: Callable[[object], int], max_bytes: int,
+            max_count: int | None = None) -> Iterator[list]:
+    """Group items into lists of at most `max_bytes` (as `nbytes` measures them; a list closes
+    once it reaches the bound) and at most `max_count` items: what bounds memory in flight."""
     batch, size = [], 0
     for item in items:
         batch.append(item)
-        size += item[2].nbytes
-        if len(batch) >= max_count or size >= max_bytes:
+        size += nbytes(item)
+        if size >= max_bytes or (max_count is not None and len(batch) >= max_count):
             yield batch
             batch, size = [], 0
     if batch:
@@ -109,7 +112,7 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
     inflight: deque[tuple[int, Future]] = deque()
     inflight_bytes = 0
     try:
-        for batch in _batches(_chunks(leaves), CLAIM_BATCH, max(window_bytes // 2, 1)):
+        for batch in batches(_chunks(leaves), lambda c: c[2].nbytes, max(window_bytes // 2, 1), CLAIM_BATCH):
             keys = list((hash_pool or pool).map(lambda c: hash_bytes(c[2]), batch))
             candidates = [_base_of(bases, *item) if bases else None for item in batch]
             stored = session.claim(keys + [c[0] for c in candidates if c is not None])[:len(keys)]
