@@ -26,9 +26,14 @@ _STAGE = struct.Struct("<BB")  # stage id, stage argument
 
 STAGE_BYTEGROUP = 1  # argument: element size; byte k of every element, for k = 0..size-1
 STAGE_ZSTD = 2  # argument: the level it was written with (informational)
-STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows the stage entry
-STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor"}
+STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows. Read only: stores made
+#                before `sub` hold such deltas; new deltas are `sub`, smaller on every kind measured
+STAGE_SUB = 4  # argument: element size; zigzag(raw - base) per element; the base key follows
+STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor", STAGE_SUB: "sub"}
+DELTA_STAGES = (STAGE_XOR, STAGE_SUB)
 DELTA_MARGIN = 0.9  # a delta is kept only when its sample codes to under 90% of the plain sample
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 MAX_OBJECT_RAW = 1 << 31  # refuse headers that claim more; chunks and nodes are far smaller
 MAX_STAGES = 4
@@ -84,6 +89,34 @@ def ungroup_bytes(grouped: np.ndarray, element_size: int, out: np.ndarray) -> np
     return out
 
 
+def sub_delta(raw: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
+    """zigzag(raw - base), element by element as wrapping integers of `element_size` bytes.
+
+    Neighbouring checkpoints' floats differ by a few units in the last place: as integers their
+    difference is small, its high bytes zero once zigzag moves the sign to the lowest bit. XOR
+    smears a carry across every bit below it; measured on AdamW state 10 steps apart this codes
+    fp32 weights to 0.69 of raw (XOR 0.72), exp_avg_sq 0.65 (0.73), bf16 weights 0.39 (0.44)."""
+    u, i = _UNSIGNED[element_size], _SIGNED[element_size]
+    d = np.subtract(raw.view(u), base.view(u), out=out.view(u))
+    sign = np.right_shift(d.view(i), 8 * element_size - 1, out=_scratch(out.size, "sign").view(i))  # 0 or -1
+    np.left_shift(d, 1, out=d)
+    np.bitwise_xor(d, sign.view(u), out=d)
+    return out
+
+
+def undo_sub_delta(delta: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
+    """Inverse of sub_delta: out = base + unzigzag(delta). `delta` is overwritten; `out` may be
+    `base` itself (a chain is applied level by level in one buffer)."""
+    u = _UNSIGNED[element_size]
+    d = delta.view(u)
+    low = np.bitwise_and(d, 1, out=_scratch(delta.size, "sign").view(u))
+    np.negative(low, out=low)  # 0 or all ones
+    np.right_shift(d, 1, out=d)
+    np.bitwise_xor(d, low, out=d)
+    np.add(d, base.view(u), out=out.view(u))
+    return out
+
+
 @dataclass(frozen=True)
 class Encoded:
     """An encoded object: [header, payload] parts (written without concatenating), and the key
@@ -106,8 +139,9 @@ class CodecPolicy:
 
     def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None) -> Encoded:
         """Encode raw bytes. `element_size` > 1 asks for byte grouping (floating dtypes). With
-        `base` = (key, raw bytes of the same size), the XOR against it is coded instead when a
-        sample says that is smaller by a margin. Raw storage when nothing compresses."""
+        `base` = (key, raw bytes of the same size), the difference from it (`sub_delta`) is
+        coded instead when a sample says that is smaller by a margin. Raw storage when nothing
+        compresses."""
         view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
         n = view.size
         if not self.compress or n == 0:
@@ -118,10 +152,10 @@ class CodecPolicy:
         if base is not None and base[1].size == n:
             delta_sample = self._sample_size(view, group, base[1])
             if delta_sample < DELTA_MARGIN * plain_sample:
-                xored = np.bitwise_xor(view, base[1], out=_scratch(n, "xor"))
-                packed = self._pack(xored, group)
+                delta = sub_delta(view, base[1], group or 1, _scratch(n, "delta"))
+                packed = self._pack(delta, group)
                 if len(packed) < n:
-                    stages = ((STAGE_XOR, 0),) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
+                    stages = ((STAGE_SUB, group or 1),) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
                     return Encoded([_header(n, stages, base[0]), packed], base[0])
         if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
             return Encoded([_header(n, ()), view])
@@ -137,10 +171,11 @@ class CodecPolicy:
         return _zstd_c(self.level).compress(data)
 
     def _sample_size(self, view: np.ndarray, group: int, base: np.ndarray | None = None) -> int:
-        """Compressed size of the first SAMPLE_BYTES (XORed with the base's when given)."""
+        """Compressed size of the first SAMPLE_BYTES (as a delta from the base's when given)."""
         end = min(view.size, SAMPLE_BYTES)
         end -= end % max(group, 1)
-        sample = view[:end] if base is None else np.bitwise_xor(view[:end], base[:end])
+        sample = view[:end] if base is None else sub_delta(view[:end], base[:end], max(group, 1),
+                                                           np.empty(end, dtype=np.uint8))
         if group:
             sample = group_bytes(sample, group, np.empty(sample.size, dtype=np.uint8))
         return len(_zstd_c(self.level).compress(sample))
@@ -149,7 +184,7 @@ class CodecPolicy:
 def _header(raw_size: int, stages: tuple, base: bytes | None = None) -> bytes:
     head = _HEADER.pack(MAGIC, OBJECT_FORMAT, len(stages), raw_size)
     for sid, arg in stages:
-        head += _STAGE.pack(sid, arg) + (base if sid == STAGE_XOR else b"")
+        head += _STAGE.pack(sid, arg) + (base if sid in DELTA_STAGES else b"")
     return head
 
 
@@ -158,11 +193,11 @@ class Header:
     raw_size: int
     stages: tuple  # ((stage id, argument), ...) in encoding order
     payload_offset: int
-    base: bytes | None = None  # the base object's key, for an XOR delta
+    base: bytes | None = None  # the base object's key, for a delta
 
     @property
     def codec_name(self) -> str:
-        return "+".join(f"{STAGE_NAMES[s]}{a if s == STAGE_BYTEGROUP else ''}" for s, a in self.stages) or "raw"
+        return "+".join(f"{STAGE_NAMES[s]}{a if s in (STAGE_BYTEGROUP, STAGE_SUB) else ''}" for s, a in self.stages) or "raw"
 
 
 def parse_header(data, *, key: bytes | None = None) -> Header:
@@ -188,7 +223,9 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
             raise CorruptionError(f"object names unknown codec stage {sid}", key=name)
         if sid == STAGE_BYTEGROUP and (arg < 2 or raw_size % arg):
             raise CorruptionError(f"object has an invalid byte-group size {arg}", key=name)
-        if sid == STAGE_XOR:
+        if sid == STAGE_SUB and (arg not in _UNSIGNED or raw_size % arg):
+            raise CorruptionError(f"object has an invalid delta element size {arg}", key=name)
+        if sid in DELTA_STAGES:
             if base is not None or stages or len(data) < offset + KEY_SIZE:
                 raise CorruptionError("object has a malformed delta stage", key=name)
             base = bytes(data[offset:offset + KEY_SIZE])
@@ -215,48 +252,57 @@ def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
                               f"{dest.size}", key=name)
 
 
-def decode_into(data, key: bytes, out: np.ndarray | None = None,
-                resolve_base: Callable[[bytes, int], np.ndarray] | None = None, *, verify: bool = True) -> np.ndarray:
+def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarray | None = None, *,
+                verify: bool = True) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
-    and check the result's blake3 against `key` (unless verify=False: only for a delta's base,
-    whose errors the delta's own check catches). A delta needs `resolve_base(key, size)`, which
-    returns the base's verified raw bytes. Raises CorruptionError, never returns bad data."""
+    and check the result's blake3 against `key` (unless verify=False: for the lower levels of a
+    delta chain, whose errors the top's check catches). A delta needs `base`, the raw bytes of
+    its base object; `base` may be `out` itself, then the delta is applied in place. Raises
+    CorruptionError, never returns bad data."""
     name = to_hex(key)
     head = parse_header(data, key=key)
     if out is None:
         out = np.empty(head.raw_size, dtype=np.uint8)
     elif out.size != head.raw_size:
         raise CorruptionError(f"object holds {head.raw_size} bytes where {out.size} were expected", key=name)
-    payload = memoryview(data)[head.payload_offset:]
     stages = list(head.stages)
+    delta = stages.pop(0) if stages and stages[0][0] in DELTA_STAGES else None
+    if delta is not None:
+        if base is None:
+            raise CorruptionError(f"object is a delta of {to_hex(head.base)} but no base can be read here", key=name)
+        if base.size != head.raw_size:
+            raise CorruptionError(f"delta base {to_hex(head.base)} has {base.size} bytes, not {head.raw_size}",
+                                  key=name)
+    # a delta's payload goes to a scratch buffer first: `out` may hold its base
+    target = _scratch(head.raw_size, "delta") if delta is not None else out
     try:
-        grouped = len(stages) >= 2 and stages[-2][0] == STAGE_BYTEGROUP
-        if stages and stages[-1][0] == STAGE_ZSTD:
-            stages.pop()
-            # straight into `out`, or into a reused buffer when planes must be interleaved after
-            plain = _scratch(head.raw_size, "unzstd") if grouped else out
-            _decompress_into(payload, plain, name)
-        elif len(payload) != head.raw_size:
-            raise CorruptionError(f"object payload holds {len(payload)} bytes, header says {head.raw_size}", key=name)
-        else:
-            plain = np.frombuffer(payload, dtype=np.uint8)
-        if stages and stages[-1][0] == STAGE_BYTEGROUP:
-            ungroup_bytes(plain, stages.pop()[1], out)
-        elif plain is not out:
-            out[:] = plain
-        if stages and stages[-1][0] == STAGE_XOR:
-            stages.pop()
-            if resolve_base is None:
-                raise CorruptionError("object is a delta but no base can be read here", key=name)
-            base = resolve_base(head.base, head.raw_size)
-            if base.size != head.raw_size:
-                raise CorruptionError(f"delta base {to_hex(head.base)} has {base.size} bytes, not {head.raw_size}",
-                                      key=name)
-            np.bitwise_xor(out, base, out=out)
-        if stages:
-            raise CorruptionError(f"object has codec stages in an order we cannot decode: {head.codec_name}", key=name)
+        _decode_payload(memoryview(data)[head.payload_offset:], stages, target, head, name)
     except zstandard.ZstdError as exc:
         raise CorruptionError(f"object's zstd payload is damaged: {exc}", key=name) from None
+    if delta is not None and delta[0] == STAGE_XOR:
+        np.bitwise_xor(target, base, out=out)
+    elif delta is not None:
+        undo_sub_delta(target, base, delta[1], out)
     if verify and hash_bytes(out) != key:
         raise CorruptionError("object content does not match its hash", key=name)
     return out
+
+
+def _decode_payload(payload, stages: list, out: np.ndarray, head: Header, name: str) -> None:
+    """Undo the non-delta stages ([bytegroup], [zstd] or none) into `out`."""
+    grouped = len(stages) >= 2 and stages[-2][0] == STAGE_BYTEGROUP
+    if stages and stages[-1][0] == STAGE_ZSTD:
+        stages.pop()
+        # straight into `out`, or into a reused buffer when planes must be interleaved after
+        plain = _scratch(head.raw_size, "unzstd") if grouped else out
+        _decompress_into(payload, plain, name)
+    elif len(payload) != head.raw_size:
+        raise CorruptionError(f"object payload holds {len(payload)} bytes, header says {head.raw_size}", key=name)
+    else:
+        plain = np.frombuffer(payload, dtype=np.uint8)
+    if stages and stages[-1][0] == STAGE_BYTEGROUP:
+        ungroup_bytes(plain, stages.pop()[1], out)
+    elif plain is not out:
+        out[:] = plain
+    if stages:
+        raise CorruptionError(f"object has codec stages in an order we cannot decode: {head.codec_name}", key=name)

@@ -72,36 +72,59 @@ class ObjectStore:
                     raise
         raise AssertionError("unreachable")
 
-    def get(self, key: bytes, out: np.ndarray | None = None, bases: dict | None = None, *,
-            verify: bool = True, _depth: int = 0, _check_bases: bool = False) -> np.ndarray:
+    def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True) -> np.ndarray:
         """Decoded raw bytes of an object (into `out` when given), checked against its hash
-        unless verify=False. A delta's chain of bases is decoded first; `bases` caches decoded
-        bases for the length of one load. The bases' own hashes are not checked on the way:
-        a wrong base makes a wrong result, which the final check refuses; only then is the chain
-        decoded again with every link checked, to name the damaged object."""
-        if _depth > MAX_CHAIN_DECODE:
-            raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=key.hex())
-
-        def base(bkey: bytes, size: int) -> np.ndarray:
-            if not _check_bases and bases is not None and bkey in bases:
-                return bases[bkey]
-            try:
-                raw = self.get(bkey, None, bases, verify=_check_bases, _depth=_depth + 1, _check_bases=_check_bases)
-            except CorruptionError as exc:
-                raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
-                                      key=key.hex()) from None
-            if bases is not None and not _check_bases:
-                bases[bkey] = raw
-            return raw
-
-        data = self.fetch(key)
-        is_delta = parse_header(data, key=key).base is not None
+        unless verify=False. A delta is decoded from the bottom of its chain up, each level
+        applied in place in the one output buffer: no memory beyond the object, and only the
+        top is hash-checked on the way (a wrong base makes a wrong result, which that check
+        refuses). Only then is the chain decoded again with every level checked, to name the
+        damaged object."""
+        chain = self.chain(key)
         try:
-            return decode_into(data, key, out, base, verify=verify)
+            return self._decode_chain(chain, out, verify=verify, check_each=False)
         except CorruptionError:
-            if not (verify and is_delta and not _check_bases):
+            if len(chain) == 1 or not verify:
                 raise
-        return self.get(key, out, None, verify=True, _depth=_depth, _check_bases=True)
+        return self._decode_chain(chain, out, verify=True, check_each=True)
+
+    def chain(self, key: bytes) -> list[bytes]:
+        """[key, its base, the base's base, ...] down to a full object, from the index (or from
+        the object's own header when the index does not know it)."""
+        chain = [key]
+        while (base := self._base_of(chain[-1])) is not None:
+            if len(chain) > MAX_CHAIN_DECODE:
+                raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=key.hex())
+            chain.append(base)
+        return chain
+
+    def _base_of(self, key: bytes) -> bytes | None:
+        rec = self.record(key)
+        if rec is not None:
+            return rec.base
+        try:
+            return parse_header(self.fetch(key), key=key).base
+        except CorruptionError:
+            return None  # decoding it reports the problem, naming the object
+
+    def _decode_chain(self, chain: list[bytes], out: np.ndarray | None, *, verify: bool,
+                      check_each: bool) -> np.ndarray:
+        top = chain[0]
+        for i in reversed(range(len(chain))):
+            key, expected_base = chain[i], chain[i + 1] if i + 1 < len(chain) else None
+            try:
+                data = self.fetch(key)
+                named = parse_header(data, key=key).base
+                if named != expected_base:
+                    raise CorruptionError(f"object names delta base {named.hex() if named else None}, the index "
+                                          f"{expected_base.hex() if expected_base else None}", key=key.hex())
+                out = decode_into(data, key, out, out if expected_base else None,
+                                  verify=check_each or (i == 0 and verify))
+            except CorruptionError as exc:
+                if i == 0:
+                    raise
+                raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
+                                      key=top.hex()) from None
+        return out
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name

@@ -9,8 +9,7 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -25,7 +24,6 @@ from cas.objectstore import ObjectStore, WriteSession
 from .tree import TensorLeaf, chunk_spans
 
 CLAIM_BATCH = 64  # chunks hashed, then claimed in one index transaction
-BASE_CACHE_ENTRIES = 16  # decoded delta bases kept during one load
 
 
 @dataclass(frozen=True)
@@ -40,30 +38,6 @@ class BaseTensor:
 
     def matches(self, leaf: TensorLeaf) -> bool:
         return (self.nbytes, self.chunk_size, self.skew) == (leaf.nbytes, leaf.chunk_size, leaf.skew)
-
-
-class BoundedCache(OrderedDict):
-    """A small LRU of decoded delta bases, shared by one load's worker threads."""
-
-    def __init__(self, limit: int = BASE_CACHE_ENTRIES) -> None:
-        super().__init__()
-        self.limit = limit
-        self.lock = threading.Lock()
-
-    def __contains__(self, key) -> bool:
-        with self.lock:
-            return super().__contains__(key)
-
-    def __getitem__(self, key):
-        with self.lock:
-            self.move_to_end(key)
-            return super().__getitem__(key)
-
-    def __setitem__(self, key, value) -> None:
-        with self.lock:
-            super().__setitem__(key, value)
-            while len(self) > self.limit:
-                self.popitem(last=False)
 
 
 def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.ndarray]]:
@@ -152,12 +126,10 @@ def read_tensor_chunks(objects: ObjectStore, jobs: list[tuple[str, bytes, np.nda
     """Decode each (tensor path, chunk key, output slice) straight into its slice, verifying
     every chunk's hash; a damaged chunk raises a CorruptionError naming the tensor."""
 
-    cache = BoundedCache()
-
     def one(job):
         path, key, out = job
         try:
-            objects.get(key, out, cache)
+            objects.get(key, out)
         except CorruptionError as exc:
             raise exc.located(path=path) from None
 

@@ -1,10 +1,12 @@
-"""XOR-delta chains: any chain of states restores bit for bit, also after gc removed the
-checkpoints that held the bases; chains stay bounded; verify checks every link."""
+"""Delta chains: any chain of states restores bit for bit, also after gc removed the
+checkpoints that held the bases; chains stay bounded; verify checks every link; deltas are
+integer differences (`sub`), and XOR deltas written by earlier versions still decode."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +14,8 @@ from hypothesis import strategies as st
 from test_gc import assert_exactly_reachable
 
 import cas
+from cas.codecs import STAGE_BYTEGROUP, STAGE_XOR, STAGE_ZSTD, CodecPolicy, _header, decode_into
+from cas.hashing import hash_bytes
 from cas.store.tensors import TORCH_DTYPES
 
 FLOATS = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2", "complex64"]
@@ -124,3 +128,57 @@ def test_integer_tensors_are_never_deltas(tmp_path):
         store.save({"a": a + 1}, step=2)
         assert all(r.base is None for r in _records(store).values())
         assert torch.equal(store.load(2)["a"], a + 1)
+
+
+def test_deltas_are_integer_differences_and_smaller_than_xor_on_float_drift(tmp_path):
+    """A weight drifting by a few units in the last place: the zigzag integer difference codes
+    it smaller than XOR would (the reason `sub` replaced `xor`), and it is what the store writes."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=g)
+    w2 = w * (1 + 1e-3 * torch.randn(w.shape, generator=g))
+    raw, base = w2.numpy().view(np.uint8).reshape(-1), w.numpy().view(np.uint8).reshape(-1)
+    sub = CodecPolicy().encode(raw, 4, (hash_bytes(base), base))
+    xor = CodecPolicy()._pack(np.bitwise_xor(raw, base), 4)
+    assert sub.base is not None and sub.size < 0.95 * len(xor)
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w2}, step=2)
+        key = store.tensors(2)[0]["chunks"][0]
+        assert store.objects.codec_of(key) == "sub4+bytegroup4+zstd"
+        assert torch.equal(store.load(2)["w"], w2)
+
+
+def test_xor_deltas_of_earlier_versions_still_decode():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4096, generator=g).numpy().view(np.uint8).reshape(-1)
+    raw = (torch.from_numpy(base.copy()).view(torch.float32) + 1e-4).numpy().view(np.uint8).reshape(-1)
+    payload = CodecPolicy()._pack(np.bitwise_xor(raw, base), 4)
+    stages = ((STAGE_XOR, 0), (STAGE_BYTEGROUP, 4), (STAGE_ZSTD, 1))
+    blob = _header(raw.size, stages, hash_bytes(base)) + payload
+    out = decode_into(blob, hash_bytes(raw), None, base)
+    assert np.array_equal(out, raw)
+
+
+def test_repair_rebuilds_delta_records_and_gc_still_keeps_bases(tmp_path):
+    """Deltas in files and in packs: after the index is rebuilt from disk, every chain is known
+    again (base and depth), so loads work and gc keeps the bases of kept checkpoints."""
+    from cas.store.repair import repair
+    torch.manual_seed(0)
+    big, small = torch.randn(256, 1024), torch.randn(64, 1024)
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=256 << 10, pack_max=64 << 10, delta=True, max_chain=3) as store:
+        for step in range(4):
+            big, small = big + 1e-5 * torch.randn_like(big), small + 1e-7
+            store.save({"big": big, "small": small}, step=step)
+        before = {k: (r.base, r.depth) for k, r in _records(store).items() if r.base}
+        assert any(r.where == 2 and r.base for r in _records(store).values())  # a delta in a pack
+        assert max(d for _, d in before.values()) == 3
+    os.rename(path / "index", tmp_path / "old-index")
+    report = repair(str(path))
+    assert report.checkpoints == [0, 1, 2, 3] and all(s.startswith("index:") for s in report.skipped)
+    with cas.open(path) as store:
+        assert {k: (r.base, r.depth) for k, r in _records(store).items() if r.base} == before
+        store.gc(keep_last=1)
+        assert store.verify().ok
+        loaded = store.load(3)
+        assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], small)
