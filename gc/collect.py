@@ -97,13 +97,20 @@ class Marker:
 
     def _follow_bases(self, keys: list[bytes]) -> None:
         """A delta keeps its base alive, and the base's base: edges read from the index."""
-        index = self.store.index
-        with index.read() as txn:
-            for key in keys:
-                rec = index.record(txn, key)
-                while rec is not None and rec.base is not None and rec.base not in self.live:
-                    self.live.add(rec.base)
-                    rec = index.record(txn, rec.base)
+        with self.store.index.read() as txn:
+            self.live.update(bases_of(self.store.index, txn, keys, self.live))
+
+
+def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
+    """Every object the deltas among `keys` are coded against, down their chains (stopping at
+    objects in `known`, whose chains are accounted for already)."""
+    found: set[bytes] = set()
+    for key in keys:
+        rec = index.record(txn, key)
+        while rec is not None and rec.base is not None and rec.base not in known and rec.base not in found:
+            found.add(rec.base)
+            rec = index.record(txn, rec.base)
+    return found
 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
@@ -132,7 +139,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
     with index.read() as txn:
         generation = index.generation(txn)
         roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
-        held = index.held_keys(txn)
+        held = _held_with_bases(index, txn)
         records = dict(index.iter_records(txn))
     marker = Marker(store)
     marker.mark(roots, progress)
@@ -164,7 +171,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
                     report.deferred = (f"a writer that cannot hold objects one by one is in progress ({barrier}); "
                                        "the rest of the sweep waits for the next gc")
                     break
-                held = index.held_keys(txn)
+                held = _held_with_bases(index, txn)
                 for key in batch:
                     if key in marker.live or key in held:
                         continue
@@ -183,6 +190,13 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
     files.sync()
     clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
+
+
+def _held_with_bases(index, txn) -> set[bytes]:
+    """Objects writers hold, and the bases of those that are deltas: a writer may code a new
+    chunk against a held delta, and its commit must find the whole chain there."""
+    held = index.held_keys(txn)
+    return held | bases_of(index, txn, held)
 
 
 def _delete(store, txn, key: bytes, report: GcReport) -> int:

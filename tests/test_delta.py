@@ -182,3 +182,27 @@ def test_repair_rebuilds_delta_records_and_gc_still_keeps_bases(tmp_path):
         assert store.verify().ok
         loaded = store.load(3)
         assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], small)
+
+
+def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
+    """A saving process claimed a delta as the base of its next chunk (a hold) while every
+    checkpoint that reached it was deleted: gc must keep the held delta's own bases, or the
+    save about to commit would reference a broken chain."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True, max_chain=4) as store:
+        for step in range(3):
+            w = w + 1e-4 * torch.randn_like(w)
+            store.save({"w": w}, step=step)
+        top = store.tensors(2)[0]["chunks"][0]
+        chain = store.objects.chain(top)
+        assert len(chain) == 3
+        with store.objects.session("a save coding against step 2") as session:
+            session.claim([top])
+            for step in range(3):
+                store.delete(step)
+            store.gc()
+            assert all(store.objects.record(k) is not None for k in chain)
+            assert np.array_equal(store.objects.get(top), w.numpy().view(np.uint8).reshape(-1))
+        store.gc()
+        assert not any(store.objects.record(k) for k in chain)
