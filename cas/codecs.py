@@ -39,6 +39,7 @@ MAX_OBJECT_RAW = 1 << 31  # refuse headers that claim more; chunks and nodes are
 MAX_STAGES = 4
 SAMPLE_BYTES = 64 << 10  # compress this much first; skip zstd when the sample does not shrink
 SAMPLE_MAX_RATIO = 0.97
+SAMPLE_PIECES = 4
 
 _local = threading.local()
 
@@ -171,14 +172,26 @@ class CodecPolicy:
         return _zstd_c(self.level).compress(data)
 
     def _sample_size(self, view: np.ndarray, group: int, base: np.ndarray | None = None) -> int:
-        """Compressed size of the first SAMPLE_BYTES (as a delta from the base's when given)."""
-        end = min(view.size, SAMPLE_BYTES)
-        end -= end % max(group, 1)
-        sample = view[:end] if base is None else sub_delta(view[:end], base[:end], max(group, 1),
-                                                           np.empty(end, dtype=np.uint8))
+        """Compressed size of a SAMPLE_BYTES sample (as a delta from the base's when given):
+        SAMPLE_PIECES slices spread over the object, since one end of a tensor can differ from
+        the rest (an embedding's first rows are its most frequent tokens)."""
+        sample = _spread_sample(view, max(group, 1))
+        if base is not None:
+            sample = sub_delta(sample, _spread_sample(base, max(group, 1)), max(group, 1), np.empty_like(sample))
         if group:
             sample = group_bytes(sample, group, np.empty(sample.size, dtype=np.uint8))
         return len(_zstd_c(self.level).compress(sample))
+
+
+def _spread_sample(view: np.ndarray, element_size: int) -> np.ndarray:
+    """SAMPLE_PIECES equal slices at evenly spaced offsets, element-aligned (the whole object
+    when it is no larger than SAMPLE_BYTES)."""
+    n = view.size - view.size % element_size
+    if n <= SAMPLE_BYTES:
+        return view[:n]
+    piece = SAMPLE_BYTES // SAMPLE_PIECES // element_size * element_size
+    stride = (n - piece) // (SAMPLE_PIECES - 1) // element_size * element_size
+    return np.concatenate([view[i * stride:i * stride + piece] for i in range(SAMPLE_PIECES)])
 
 
 def _header(raw_size: int, stages: tuple, base: bytes | None = None) -> bytes:

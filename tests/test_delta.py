@@ -206,3 +206,18 @@ def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
             assert np.array_equal(store.objects.get(top), w.numpy().view(np.uint8).reshape(-1))
         store.gc()
         assert not any(store.objects.record(k) for k in chain)
+
+
+def test_the_delta_decision_samples_the_whole_chunk_not_its_start(tmp_path):
+    """The first 64 KiB changed wholly (an embedding's frequent tokens, say), the rest a little:
+    a sample of the start alone would refuse the delta that saves most of the chunk."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=g)
+    w2 = w + 1e-4 * torch.randn(w.shape, generator=g)
+    w2[:16] = torch.randn(16, 1024, generator=g)  # 16 rows = the first 64 KiB
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"w": w}, step=1)
+        ck = store.save({"w": w2}, step=2)
+        assert _records(store)[store.tensors(2)[0]["chunks"][0]].base is not None
+        assert ck.new_bytes < 0.7 * store.get(1).new_bytes
+        assert torch.equal(store.load(2)["w"], w2)
