@@ -72,20 +72,22 @@ class ObjectStore:
                     raise
         raise AssertionError("unreachable")
 
-    def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True) -> np.ndarray:
+    def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True,
+            chain: list[bytes] | None = None, decoded: dict[bytes, np.ndarray] | None = None) -> np.ndarray:
         """Decoded raw bytes of an object (into `out` when given), checked against its hash
-        unless verify=False. A delta is decoded from the bottom of its chain up, each level
-        applied in place in the one output buffer: no memory beyond the object, and only the
-        top is hash-checked on the way (a wrong base makes a wrong result, which that check
-        refuses). Only then is the chain decoded again with every level checked, to name the
-        damaged object."""
-        chain = self.chain(key)
+        unless verify=False. A delta is decoded from the bottom of its chain up (`chain`, when
+        the caller looked it up already), each level applied in place in the one output
+        buffer, starting from the highest base found in `decoded` (bases a load shares between
+        chunks, decoded once). Only the top is hash-checked on the way (a wrong base makes a
+        wrong result, which that check refuses); only then is the chain decoded again with
+        every level checked, to name the damaged object."""
+        chain = chain or self.chain(key)
         try:
-            return self._decode_chain(chain, out, verify=verify, check_each=False)
+            return self._decode_chain(chain, out, verify=verify, check_each=False, decoded=decoded or {})
         except CorruptionError:
             if len(chain) == 1 or not verify:
                 raise
-        return self._decode_chain(chain, out, verify=True, check_each=True)
+        return self._decode_chain(chain, out, verify=True, check_each=True, decoded={})
 
     def chain(self, key: bytes) -> list[bytes]:
         """[key, its base, the base's base, ...] down to a full object, from the index (or from
@@ -107,9 +109,13 @@ class ObjectStore:
             return None  # decoding it reports the problem, naming the object
 
     def _decode_chain(self, chain: list[bytes], out: np.ndarray | None, *, verify: bool,
-                      check_each: bool) -> np.ndarray:
+                      check_each: bool, decoded: dict[bytes, np.ndarray]) -> np.ndarray:
         top = chain[0]
-        for i in reversed(range(len(chain))):
+        start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain))
+        if start < len(chain):
+            out = np.empty(decoded[chain[start]].size, dtype=np.uint8) if out is None else out
+            out[:] = decoded[chain[start]]
+        for i in reversed(range(start)):
             key, expected_base = chain[i], chain[i + 1] if i + 1 < len(chain) else None
             try:
                 data = self.fetch(key)

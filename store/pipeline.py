@@ -9,7 +9,7 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -121,15 +121,29 @@ def write_blobs(session: WriteSession, blobs: dict[bytes, bytes], pool: ThreadPo
         fut.result()
 
 
+def _decoded_or_none(objects: ObjectStore, key: bytes) -> np.ndarray | None:
+    """A shared base, or None when it is damaged: then each chunk needing it reports that."""
+    try:
+        return objects.get(key)
+    except CorruptionError:
+        return None
+
+
 def read_tensor_chunks(objects: ObjectStore, jobs: list[tuple[str, bytes, np.ndarray]],
                        pool: ThreadPoolExecutor, window: int) -> None:
     """Decode each (tensor path, chunk key, output slice) straight into its slice, verifying
-    every chunk's hash; a damaged chunk raises a CorruptionError naming the tensor."""
+    every chunk's hash; a damaged chunk raises a CorruptionError naming the tensor. Delta bases
+    that several chunks' chains share are decoded once, first (up to `window` of them)."""
+    chains = {key: objects.chain(key) for _, key, _ in jobs}
+    uses = Counter(base for chain in chains.values() for base in chain[1:])
+    shared = [base for base, n in uses.items() if n > 1][:window]
+    decoded = {base: raw for base, raw in zip(shared, pool.map(lambda k: _decoded_or_none(objects, k), shared))
+               if raw is not None}
 
     def one(job):
         path, key, out = job
         try:
-            objects.get(key, out)
+            objects.get(key, out, chain=chains[key], decoded=decoded)
         except CorruptionError as exc:
             raise exc.located(path=path) from None
 

@@ -184,6 +184,40 @@ def test_repair_rebuilds_delta_records_and_gc_still_keeps_bases(tmp_path):
         assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], small)
 
 
+def test_a_base_shared_by_several_chunks_is_decoded_once_per_load(tmp_path, monkeypatch):
+    """Two tensors equal at step 1 (one object) change differently at step 2: both chunks are
+    deltas of that one base, which the load reads and decodes once."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"a": w, "b": w.clone()}, step=1)
+        a2, b2 = w + 1e-4, w - 1e-4
+        store.save({"a": a2, "b": b2}, step=2)
+        base = store.tensors(1)[0]["chunks"][0]
+        assert {_records(store)[t["chunks"][0]].base for t in store.tensors(2)} == {base}
+        fetched = []
+        real_fetch = store.objects.fetch
+        monkeypatch.setattr(store.objects, "fetch", lambda key: fetched.append(key) or real_fetch(key))
+        loaded = store.load(2)
+        assert torch.equal(loaded["a"], a2) and torch.equal(loaded["b"], b2)
+        assert fetched.count(base) == 1
+
+
+def test_the_delta_decision_samples_the_whole_chunk_not_its_start(tmp_path):
+    """The first 64 KiB changed wholly (an embedding's frequent tokens, say), the rest a little:
+    a sample of the start alone would refuse the delta that saves most of the chunk."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 1024, generator=g)
+    w2 = w + 1e-4 * torch.randn(w.shape, generator=g)
+    w2[:16] = torch.randn(16, 1024, generator=g)  # 16 rows = the first 64 KiB
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"w": w}, step=1)
+        ck = store.save({"w": w2}, step=2)
+        assert _records(store)[store.tensors(2)[0]["chunks"][0]].base is not None
+        assert ck.new_bytes < 0.7 * store.get(1).new_bytes
+        assert torch.equal(store.load(2)["w"], w2)
+
+
 def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
     """A saving process claimed a delta as the base of its next chunk (a hold) while every
     checkpoint that reached it was deleted: gc must keep the held delta's own bases, or the
@@ -206,18 +240,3 @@ def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
             assert np.array_equal(store.objects.get(top), w.numpy().view(np.uint8).reshape(-1))
         store.gc()
         assert not any(store.objects.record(k) for k in chain)
-
-
-def test_the_delta_decision_samples_the_whole_chunk_not_its_start(tmp_path):
-    """The first 64 KiB changed wholly (an embedding's frequent tokens, say), the rest a little:
-    a sample of the start alone would refuse the delta that saves most of the chunk."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(256, 1024, generator=g)
-    w2 = w + 1e-4 * torch.randn(w.shape, generator=g)
-    w2[:16] = torch.randn(16, 1024, generator=g)  # 16 rows = the first 64 KiB
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
-        store.save({"w": w}, step=1)
-        ck = store.save({"w": w2}, step=2)
-        assert _records(store)[store.tensors(2)[0]["chunks"][0]].base is not None
-        assert ck.new_bytes < 0.7 * store.get(1).new_bytes
-        assert torch.equal(store.load(2)["w"], w2)
