@@ -9,6 +9,7 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -91,16 +92,13 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
             candidates = [_base_of(bases, *item) if bases else None for item in batch]
             stored = session.claim(keys + [c[0] for c in candidates if c is not None])[:len(keys)]
             faults.point("save.hashed")
-            for (leaf, i, view, _), key, present, cand in zip(batch, keys, stored, candidates):
+            todo = [(leaf, i, view, key, cand) for (leaf, i, view, _), key, present, cand
+                    in zip(batch, keys, stored, candidates) if not present]
+            for (leaf, i, view, _), key in zip(batch, keys):
                 leaf.chunks[i] = key
-                if not present:
-                    base = None
-                    if cand is not None and cand[0] != key:
-                        depth = session.depth(cand[0])
-                        if depth is not None and depth < max_chain:
-                            base = (cand[0], cand[1], depth)
-                    inflight.append((view.nbytes, pool.submit(session.write, key, view, leaf.group, base)))
-                    inflight_bytes += view.nbytes
+            for (leaf, i, view, key, cand), base in zip(todo, _delta_bases(session, todo, max_chain)):
+                inflight.append((view.nbytes, pool.submit(_write_chunk, session, key, view, leaf.group, base)))
+                inflight_bytes += view.nbytes
             while inflight and inflight_bytes > window_bytes:
                 size, fut = inflight.popleft()
                 fut.result()
@@ -110,6 +108,48 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
     except BaseException:
         wait([f for _, f in inflight])  # no worker may still write once the caller aborts
         raise
+
+
+def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
+    """Per chunk to write, what it may be coded against: (key, raw bytes, depth) of the previous
+    save's chunk while its chain is shorter than `max_chain`; once the chain is full, (key,
+    None, 0) of the chain's root (a full object, decoded by the worker), so a long chain ends
+    in a delta against its root rather than in a full copy; or None."""
+    out: list = []
+    roots: dict[int, bytes] = {}
+    for n, (_, _, _, key, cand) in enumerate(todo):
+        depth = session.depth(cand[0]) if cand is not None and cand[0] != key else None
+        if depth is not None and depth < max_chain:
+            out.append((cand[0], cand[1], depth))
+            continue
+        out.append(None)
+        if depth is not None and max_chain > 0:
+            roots[n] = session.store.chain(cand[0])[-1]
+    if roots:  # held from here on, so no gc can take a root before the commit
+        present = session.claim(list(roots.values()))
+        for (n, root), ok in zip(roots.items(), present):
+            out[n] = (root, None, 0) if ok else None
+    return out
+
+
+def _write_chunk(session: WriteSession, key: bytes, view: np.ndarray, group: int, base: tuple | None) -> int:
+    if base is not None and base[1] is None:  # the root of a full chain: decode it here
+        try:
+            base = (base[0], session.store.get(base[0], _root_buffer(view.nbytes)), 0)
+        except CorruptionError:
+            base = None  # a damaged root is verify's to report; this chunk is stored whole
+    return session.write(key, view, group, base)
+
+
+_local = threading.local()
+
+
+def _root_buffer(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for decoded chain roots: fresh memory is slow to touch here."""
+    buf = getattr(_local, "root", None)
+    if buf is None or buf.size < nbytes:
+        buf = _local.root = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def write_blobs(session: WriteSession, blobs: dict[bytes, bytes], pool: ThreadPoolExecutor) -> None:
