@@ -12,17 +12,17 @@ run, through four series of checkpoints, one after the other:
 
 Each checkpoint is two states, as plain dicts of tensors (the layout of baselines.md's test model):
   fp32: {"w": fp32 weights, "exp_avg": ..., "exp_avg_sq": ...}     bf16: {"w_bf16": bf16 weight copy}
-and each state goes, per series, into: a cas store with delta=True (max_chain 8), one with
+and each state goes, per series, into: a cas store with delta=True (the default max_chain), one with
 delta=False, and torch.save (serialized in memory, its size counted as its file's), that same file
 compressed with zstd level 1, and ZipNN (per file: the file's tensors of each kind concatenated and
 compressed by zipnn, torch input, 2 threads). Reported per series and state: stored bytes against
-the torch.save files; save throughput (GB/s of logical bytes, each save timed to its durable
-return) with and without delta.
+the torch.save files, and the delta store's bytes by part of the state; save throughput (GB/s of
+logical bytes, each save timed to its durable return) with and without delta.
 
 On the every-10-steps series also: restore time by chain depth (the deepest chunk of a checkpoint,
 from the index records of its chunk keys) in the delta store, restoring into preallocated tensors
 (store.restore, min of reps, warm page cache); the same against the delta=False store; and
-max_chain 4, 8, 16 side by side (stored bytes, deepest restore) to choose the default from data.
+max_chain 1, 2, 4, 8, 16 side by side (stored bytes, deepest restore) to choose the default from data.
 The issue's targets are printed next to the results.
 
 Run from the repository root (full: about 6-8 minutes, ~2 GiB RAM, ~12 GB of /tmp; needs
@@ -31,6 +31,7 @@ Run from the repository root (full: about 6-8 minutes, ~2 GiB RAM, ~12 GB of /tm
     .venv/bin/python bench/bench_delta.py                # JSON to bench/out/delta.json
     .venv/bin/python bench/bench_delta.py --quick        # ~1 M parameters, few checkpoints (<1 min)
     .venv/bin/python bench/bench_delta.py --out x.json
+    .venv/bin/python bench/bench_delta.py --only "every 10"   # one series (~3 min)
 
 Stores go to a fresh folder under /tmp, deleted at the end. GB = 1e9 bytes.
 """
@@ -51,6 +52,7 @@ import torch
 import zstandard
 
 import cas
+from cas.store.store import DEFAULT_MAX_CHAIN
 from bench_async import GB, CpuShare, ModelConfig, Stat, Trainer, adamw, exit_on_sigterm, load_avg, log
 
 try:
@@ -59,7 +61,7 @@ try:
 except Exception as exc:  # noqa: BLE001 - any failure to import means: skip the column
     zipnn, ZIPNN = None, f"SKIPPED, zipnn unavailable ({type(exc).__name__}: {exc})"
 
-MAIN_CHAIN = 8  # max_chain of the main delta stores (the current default)
+MAIN_CHAIN = DEFAULT_MAX_CHAIN  # the main delta stores use the store's default chain bound
 # Training only makes the data here. One intra-op thread: with other processes on this 2-core
 # machine, 2 OpenMP threads ran a step 3.3x slower than 1 (barrier waits); cas's own pool is unaffected.
 TRAIN_THREADS = 1
@@ -89,7 +91,7 @@ FULL = Settings(ModelConfig(vocab=8192, dim=384, layers=6, heads=6), warmup_step
                 series=(Series("every 1 step", 1, 20), Series("every 10 steps", 10, 20),
                         Series("every 100 steps", 100, 5),
                         Series("fine-tune lr 1e-5, frozen embedding, every 10", 10, 20, finetune=True)),
-                chain_series="every 10 steps", max_chains=(4, 8, 16), restore_reps=3)
+                chain_series="every 10 steps", max_chains=(1, 2, 4, 8, 16), restore_reps=3)
 QUICK = Settings(ModelConfig(vocab=2048, dim=128, layers=2, heads=4, ctx=32), warmup_steps=5,
                  series=(Series("every 1 step", 1, 3), Series("every 10 steps", 10, 5),
                          Series("every 100 steps", 100, 2),
@@ -232,6 +234,21 @@ def checkpoint_depths(store) -> dict[int, dict]:
     return out
 
 
+def bytes_by_part(store) -> dict[str, int]:
+    """Stored bytes per top-level part of the state (w, exp_avg, ...): each object counted once,
+    for the part that first references it, deltas included."""
+    seen: set = set()
+    out: dict[str, int] = {}
+    for ck in store.checkpoints():
+        for t in store.tensors(ck.step):
+            part = t["path"].split(".")[0].split("/")[0].split("[")[0] or t["path"]
+            for key in t["chunks"]:
+                if key not in seen:
+                    seen.add(key)
+                    out[part] = out.get(part, 0) + store.objects.record(key).stored_size
+    return out
+
+
 def chunk_sizes(nbytes: int, chunk: int) -> list[int]:
     return [min(chunk, nbytes - start) for start in range(0, nbytes, chunk)]
 
@@ -319,8 +336,10 @@ def run_series(trainer: Trainer, series: Series, s: Settings, scratch: str) -> d
 def summarize(sinks: list) -> dict:
     sizes = {label: n for sink in sinks for label, n in sink.sizes().items()}
     delta, plain = cas_sink(sinks, DELTA), cas_sink(sinks, PLAIN)
+    parts = bytes_by_part(delta.store)
     return {"bytes": sizes, "vs_torch": {k: v / sizes[TORCH] for k, v in sizes.items()},
             "delta_vs_torch": sizes[DELTA] / sizes[TORCH], "logical_bytes": delta.logical,
+            "delta_parts_vs_torch": {k: v / sizes[TORCH] for k, v in parts.items()},
             "save_gbps": {DELTA: delta.gbps(), PLAIN: plain.gbps()}, "delta_speed": delta.gbps() / plain.gbps(),
             "save_s": {DELTA: delta.save_s.summary(), PLAIN: plain.save_s.summary()}}
 
@@ -344,6 +363,8 @@ def print_series(r: dict) -> None:
     for label in (DELTA, PLAIN):
         print(f"  save GB/s, {label:21} {fp32['save_gbps'][label]:24.3f} {bf16['save_gbps'][label]:24.3f}")
     print(f"  {'delta / no-delta save speed':32} {fp32['delta_speed']:24.3f} {bf16['delta_speed']:24.3f}")
+    parts = ", ".join(f"{k} {v:.3f}" for st in (fp32, bf16) for k, v in st["delta_parts_vs_torch"].items())
+    print(f"  delta store's bytes by part, as a share of the torch.save files: {parts}")
 
 
 def print_chains(c: dict) -> None:
@@ -369,7 +390,9 @@ def print_chains(c: dict) -> None:
 def check_targets(series: list[dict]) -> list[dict]:
     out = []
     for what, name, kind, key, op, limit in TARGETS:
-        r = next(x for x in series if x["series"]["name"].startswith(name))
+        r = next((x for x in series if x["series"]["name"].startswith(name)), None)
+        if r is None:
+            continue
         value = r["chains"]["max_chain"][MAIN_CHAIN][key] if key == "deepest_vs_full" else r["states"][kind][key]
         met = value <= limit if op == "<=" else value >= limit
         out.append({"target": what, "value": value, "limit": f"{op} {limit}", "met": met})
@@ -386,6 +409,8 @@ def print_targets(targets: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~1 M parameters, few checkpoints (smoke test)")
+    parser.add_argument("--only", metavar="TEXT", help="run only the series whose name contains TEXT "
+                        "(the training before it still runs; targets of other series are skipped)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "delta.json"))
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
@@ -402,7 +427,15 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="cas-bench-delta-", dir="/tmp")
     results = []
     try:
-        for series in s.series:
+        chosen = [x for x in s.series if not args.only or args.only in x.name]
+        for series in s.series[:s.series.index(chosen[-1]) + 1]:
+            if series not in chosen:
+                log(f"training through series {series.name} without checkpoints")
+                if series.finetune:
+                    start_finetune(trainer)
+                for _ in range(series.every * series.count):
+                    trainer.step()
+                continue
             log(f"series: {series.name}")
             results.append(run_series(trainer, series, s, scratch))
             print_series(results[-1])
