@@ -45,6 +45,15 @@ def _read_buffer(nbytes: int) -> memoryview:
     return buf
 
 
+def _walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) -> list[bytes]:
+    """Extend `chain` with base_of(its last key) until a full object; refuses cycles."""
+    while (base := base_of(chain[-1])) is not None:
+        if len(chain) > MAX_CHAIN_DECODE:
+            raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=chain[0].hex())
+        chain.append(base)
+    return chain
+
+
 class ObjectStore:
     def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
                  pack_max: int = DEFAULT_PACK_MAX) -> None:
@@ -92,17 +101,23 @@ class ObjectStore:
     def chain(self, key: bytes) -> list[bytes]:
         """[key, its base, the base's base, ...] down to a full object, from the index (or from
         the object's own header when the index does not know it)."""
-        chain = [key]
-        while (base := self._base_of(chain[-1])) is not None:
-            if len(chain) > MAX_CHAIN_DECODE:
-                raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=key.hex())
-            chain.append(base)
-        return chain
+        return self.chains([key])[key]
 
-    def _base_of(self, key: bytes) -> bytes | None:
-        rec = self.record(key)
-        if rec is not None:
-            return rec.base
+    def chains(self, keys) -> dict[bytes, list[bytes]]:
+        """chain() of many keys, looked up in one index transaction."""
+        out: dict[bytes, list[bytes]] = {}
+        with self.index.read() as txn:
+            def indexed_base(key: bytes) -> bytes | None:
+                rec = self.index.record(txn, key)
+                return rec.base if rec is not None else None
+            for key in keys:
+                out[key] = _walk_chain([key], indexed_base)
+            unknown = [c for c in out.values() if self.index.record(txn, c[-1]) is None]
+        for chain in unknown:  # not indexed (a store being repaired): the headers say
+            _walk_chain(chain, self._header_base)
+        return out
+
+    def _header_base(self, key: bytes) -> bytes | None:
         try:
             return parse_header(self.fetch(key), key=key).base
         except CorruptionError:

@@ -174,7 +174,7 @@ def read_tensor_chunks(objects: ObjectStore, jobs: list[tuple[str, bytes, np.nda
     """Decode each (tensor path, chunk key, output slice) straight into its slice, verifying
     every chunk's hash; a damaged chunk raises a CorruptionError naming the tensor. Delta bases
     that several chunks' chains share are decoded once, first (up to `window` of them)."""
-    chains = {key: objects.chain(key) for _, key, _ in jobs}
+    chains = objects.chains(key for _, key, _ in jobs)
     uses = Counter(base for chain in chains.values() for base in chain[1:])
     shared = [base for base, n in uses.items() if n > 1][:window]
     decoded = {base: raw for base, raw in zip(shared, pool.map(lambda k: _decoded_or_none(objects, k), shared))

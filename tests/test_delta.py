@@ -246,3 +246,18 @@ def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
             assert np.array_equal(store.objects.get(top), w.numpy().view(np.uint8).reshape(-1))
         store.gc()
         assert not any(store.objects.record(k) for k in chain)
+
+
+def test_a_cycle_of_bases_in_a_damaged_index_is_refused(tmp_path):
+    from dataclasses import replace
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w + 1e-4}, step=2)
+        top = store.tensors(2)[0]["chunks"][0]
+        base = store.objects.record(top).base
+        with store.index.write() as txn:  # the base now claims to be a delta of its own delta
+            store.index.put_record(txn, base, replace(store.objects.record(base), base=top, depth=2))
+        with pytest.raises(cas.CorruptionError, match="cycle"):
+            store.load(2)
