@@ -71,7 +71,7 @@ def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.nd
              start: int) -> tuple[bytes, np.ndarray] | None:
     """The previous save's chunk at the same position of the same tensor, if the layout matches."""
     base = bases.get(leaf.path)
-    if base is None or leaf.group <= 1 or not base.matches(leaf):
+    if base is None or not leaf.floating or not base.matches(leaf):
         return None
     return base.keys[i], base.data[start:start + view.nbytes]
 

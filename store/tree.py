@@ -43,6 +43,7 @@ class TensorLeaf:
     skew: int = 0  # the tensor starts this many bytes into a chunk of a global grid (DCP shards)
     chunks: list = field(default_factory=list)
     staged: np.ndarray | None = None  # a host snapshot of the bytes, for asynchronous saves
+    floating: bool = False  # floats (float8 included) and complex: chunks may be deltas
 
     def bytes_view(self) -> np.ndarray:
         """Flat uint8 view of the values (one copy for CUDA, non-contiguous or lazy tensors)."""
@@ -112,14 +113,15 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if reason:
             raise TypeError(f"cannot store {reason} at {path!r}")
         leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
-                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size)
+                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=T.is_floating(t.dtype))
         leaves.append(leaf)
         return leaf
 
     def add_array(a: np.ndarray, path: str) -> TensorLeaf:
         if a.dtype.kind not in "biufc" or a.dtype.fields is not None:
             raise TypeError(f"cannot store numpy array of dtype {a.dtype} at {path!r}")
-        leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size)
+        leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size,
+                          floating=T.is_floating(a.dtype))
         leaves.append(leaf)
         return leaf
 
