@@ -1,6 +1,7 @@
 """A hypothesis state machine over save, delete, milestone, pin, gc and reopen, checked against a
 plain model: every checkpoint that should exist loads bit for bit, and after gc the objects in
-the store are exactly the reachable set."""
+the store are exactly the reachable set. A second machine runs the same with delta chains: a
+drifting weight saved with delta=True, so retention and gc cut through chains at random."""
 
 from __future__ import annotations
 
@@ -98,3 +99,29 @@ class StoreModel(RuleBasedStateMachine):
 
 TestStoreModel = StoreModel.TestCase
 TestStoreModel.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+
+
+class DeltaStoreModel(StoreModel):
+    """The same rules on a store with delta=True and short chains, plus saves of a weight that
+    drifts a little each time (two chunks, coded as deltas of the previous save's)."""
+
+    def __init__(self) -> None:
+        self.w = torch.randn(40_000, generator=torch.Generator().manual_seed(99))
+        super().__init__()
+
+    def _open(self):
+        return cas.open(self.dir + "/s", chunk_size=64 << 10, pack_max=2048, delta=True, max_chain=2)
+
+    @rule(scale=st.sampled_from([1e-6, 1e-4, 1.0]), milestone=st.booleans(), metric=st.integers(0, 9))
+    def save_drifted(self, scale, milestone, metric):
+        step = self.next_step
+        self.next_step += 1
+        noise = torch.randn(self.w.shape, generator=torch.Generator().manual_seed(step))
+        self.w = self.w + scale * noise
+        state = {"w": self.w, "half": self.w.to(torch.bfloat16)}
+        self.store.save(state, step=step, milestone=milestone, metrics={"m": metric})
+        self.expected[step] = state
+
+
+TestDeltaStoreModel = DeltaStoreModel.TestCase
+TestDeltaStoreModel.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
