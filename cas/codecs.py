@@ -1,7 +1,7 @@
 """Object encoding: a small fixed header naming the codec stages, then the payload.
 
 Stages are applied in the order the header lists them when encoding and in reverse when
-decoding, so a new stage (an XOR delta against a base object, say) slots in without a format
+decoding, so a new stage (a delta against a base object, say) slots in without a format
 break. Decoding always ends by checking blake3 of the result against the object's key: a
 wrong byte is an error, never data. See docs/format.md, "Object encoding".
 """

@@ -251,7 +251,7 @@ class Store:
 
     def _remember_bases(self, leaves: list) -> None:
         """Keep a copy of this save's floating-point tensors: the next save codes its changed
-        chunks against them (XOR delta). Costs host memory of their size, reused save to save."""
+        chunks against them (sub deltas). Costs host memory of their size, reused save to save."""
         floating = [leaf for leaf in leaves if leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES]
         self._bases = {}
         self._base_arena.stage(floating)

@@ -35,7 +35,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def is_floating(dtype) -> bool:
-    """Whether byte grouping helps: floats and complex numbers, whose high bytes repeat."""
+    """Floats and complex numbers: byte grouping helps (their high bytes repeat), and so do deltas."""
     if isinstance(dtype, torch.dtype):
         return dtype.is_floating_point or dtype.is_complex
     return np.dtype(dtype).kind in "fc"

@@ -500,7 +500,7 @@ def test_a_corrupt_chunk_fails_the_load_and_verify(tmp_path):
 
 
 def test_a_dcp_save_does_not_reuse_delta_objects_of_ordinary_saves(tmp_path):
-    """An ordinary save with delta=True may store a chunk as an XOR delta against an older
+    """An ordinary save with delta=True may store a chunk as a delta against an older
     chunk. The DCP save of the same bytes must not depend on that base: once the ordinary
     checkpoints are gone and gc has run, it still loads and verifies."""
     path = tmp_path / "s"
