@@ -21,7 +21,8 @@ from .errors import CorruptionError, FormatVersionError
 from .hashing import KEY_SIZE, hash_bytes, to_hex
 
 MAGIC = b"caso"
-OBJECT_FORMAT = 1
+OBJECT_FORMAT = 2  # 2: may use the `sub` stage; objects without it are still written as 1
+OBJECT_FORMATS = (1, 2)
 _HEADER = struct.Struct("<4sBBQ")  # magic, object format, number of stages, raw size
 _STAGE = struct.Struct("<BB")  # stage id, stage argument
 
@@ -213,7 +214,8 @@ def _spread_sample(view: np.ndarray, element_size: int) -> np.ndarray:
 
 
 def _header(raw_size: int, stages: tuple, base: bytes | None = None) -> bytes:
-    head = _HEADER.pack(MAGIC, OBJECT_FORMAT, len(stages), raw_size)
+    fmt = OBJECT_FORMAT if any(sid == STAGE_SUB for sid, _ in stages) else 1  # older readers read the rest
+    head = _HEADER.pack(MAGIC, fmt, len(stages), raw_size)
     for sid, arg in stages:
         head += _STAGE.pack(sid, arg) + (base if sid in DELTA_STAGES else b"")
     return head
@@ -239,8 +241,9 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
     magic, fmt, nstages, raw_size = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise CorruptionError("object does not start with the cas object magic", key=name)
-    if fmt != OBJECT_FORMAT:
-        raise FormatVersionError(f"object {name} has object format {fmt}; this cas reads format {OBJECT_FORMAT}")
+    if fmt not in OBJECT_FORMATS:
+        raise FormatVersionError(f"object {name} has object format {fmt}; this cas reads formats "
+                                 f"{', '.join(map(str, OBJECT_FORMATS))}")
     if nstages > MAX_STAGES or raw_size > MAX_OBJECT_RAW:
         raise CorruptionError(f"object header is implausible ({nstages} stages, {raw_size} raw bytes)", key=name)
     offset = _HEADER.size
@@ -254,6 +257,8 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
             raise CorruptionError(f"object names unknown codec stage {sid}", key=name)
         if sid == STAGE_BYTEGROUP and (arg < 2 or raw_size % arg):
             raise CorruptionError(f"object has an invalid byte-group size {arg}", key=name)
+        if sid == STAGE_SUB and fmt < 2:
+            raise CorruptionError("object of format 1 names the sub stage, which format 2 introduced", key=name)
         if sid == STAGE_SUB and (arg not in _UNSIGNED or raw_size % arg):
             raise CorruptionError(f"object has an invalid delta element size {arg}", key=name)
         if sid in DELTA_STAGES:

@@ -151,6 +151,9 @@ def test_deltas_are_integer_differences_and_smaller_than_xor_on_float_drift(tmp_
         store.save({"w": w2}, step=2)
         key = store.tensors(2)[0]["chunks"][0]
         assert store.objects.codec_of(key) == "sub4+bytegroup4+zstd"
+        # object format 2 marks objects that need a reader that knows `sub`; the rest stay 1
+        assert bytes(store.objects.fetch(key))[4] == 2
+        assert bytes(store.objects.fetch(store.tensors(1)[0]["chunks"][0]))[4] == 1
         assert torch.equal(store.load(2)["w"], w2)
 
 

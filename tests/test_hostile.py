@@ -77,9 +77,10 @@ def test_msgpack_bombs_are_refused(bomb):
     b"caso\x01\x02" + (2**62).to_bytes(8, "little") + b"\x02\x01\x01\x04",  # absurd raw size
     b"caso\x01\x09" + (10).to_bytes(8, "little"),  # too many stages
     b"caso\x01\x01" + (10).to_bytes(8, "little") + b"\x07\x00",  # unknown codec stage
-    b"caso\x01\x01" + (12).to_bytes(8, "little") + b"\x04\x03",  # delta of 3-byte elements
-    b"caso\x01\x01" + (10).to_bytes(8, "little") + b"\x04\x04",  # 10 bytes are not 4-byte elements
-    b"caso\x01\x02" + (8).to_bytes(8, "little") + b"\x02\x01\x04\x04",  # delta not the first stage
+    b"caso\x02\x01" + (12).to_bytes(8, "little") + b"\x04\x03",  # delta of 3-byte elements
+    b"caso\x02\x01" + (10).to_bytes(8, "little") + b"\x04\x04",  # 10 bytes are not 4-byte elements
+    b"caso\x02\x02" + (8).to_bytes(8, "little") + b"\x02\x01\x04\x04",  # delta not the first stage
+    b"caso\x01\x01" + (8).to_bytes(8, "little") + b"\x04\x04",  # sub in a format 1 object
     b"caso\x63\x00" + (10).to_bytes(8, "little"),  # a newer object format
     b"nope" * 10,
 ])
