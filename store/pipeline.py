@@ -116,7 +116,7 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
     None, 0) of the chain's root (a full object, decoded by the worker), so a long chain ends
     in a delta against its root rather than in a full copy; or None."""
     out: list = []
-    roots: dict[int, bytes] = {}
+    full: dict[int, bytes] = {}  # position -> the previous chunk whose chain is full
     for n, (_, _, _, key, cand) in enumerate(todo):
         depth = session.depth(cand[0]) if cand is not None and cand[0] != key else None
         if depth is not None and depth < max_chain:
@@ -124,7 +124,9 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
             continue
         out.append(None)
         if depth is not None and max_chain > 0:
-            roots[n] = session.store.chain(cand[0])[-1]
+            full[n] = cand[0]
+    chains = session.store.chains(full.values()) if full else {}
+    roots = {n: chains[top][-1] for n, top in full.items()}
     if roots:  # held from here on, so no gc can take a root before the commit
         present = session.claim(list(roots.values()))
         for (n, root), ok in zip(roots.items(), present):
