@@ -87,11 +87,12 @@ from cas.hashing import hash_bytes
 from cas.objects import FileObjects
 from cas.objectstore import WriteSession
 
+from . import dcp_bases
 from . import layout as L
 from . import pipeline
 from . import tensors as T
 from .registry import Checkpoint, exists_error
-from .store import Store, _checked_meta, _checked_metrics
+from .store import DEFAULT_MAX_CHAIN, DELTA_MIN_BYTES, Store, _checked_max_chain, _checked_meta, _checked_metrics
 from .tree import Ref, TensorLeaf, chunk_spans, commit_node, parse_node
 from .values import pack, unpack
 
@@ -135,10 +136,9 @@ class SavedCheckpoint:
 class _RankObjects:
     """What a rank writes through: the store's object files, never its index. Dedup is by file
     existence, which the coordinator's barrier lease makes safe against gc: a file under its
-    final name is complete (put renames it into place after fsync). Only a full object is
-    reused: a delta (an ordinary save with delta=True may have written one) is rewritten whole,
-    because the coordinator indexes every reported chunk as a full object and gc keeps a base
-    alive only through its delta's index record."""
+    final name is complete (put renames it into place after fsync). A full object is reused; a
+    delta only when the coordinator confirmed it stored (`confirmed`: it is indexed with its base
+    edge and held), since its base may be gone otherwise; any other delta file is rewritten."""
 
     def __init__(self, path: str, *, compress: bool, level: int, workers: int) -> None:
         layout = L.Layout(path)
@@ -148,26 +148,29 @@ class _RankObjects:
         self.workers = workers
         self._seen: set[bytes] = set()
         self._lock = threading.Lock()
+        self.confirmed: dict[bytes, int] = {}
 
     @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
-    def put_chunk(self, view: np.ndarray, group: int) -> bytes:
-        """Hash one chunk and store it unless its file exists; returns its key."""
+    def put_chunk(self, view: np.ndarray, group: int, base: tuple | None = None) -> bytes:
+        """Hash one chunk and store it unless its file exists; returns its key. `base` = (key,
+        bytes, depth) of a confirmed stored chunk it may be coded against as a delta."""
         key = hash_bytes(view)
         with self._lock:
             known = key in self._seen
             self._seen.add(key)
         if not known and not self._reusable(key):
-            self.files.put(key, self.codec.encode(view, group).parts)
+            self.files.put(key, self.codec.encode(view, group, base[:2] if base else None).parts)
         return key
 
     def _reusable(self, key: bytes) -> bool:
         try:
-            return parse_header(self.files.head(key, HEADER_BYTES), key=key).base is None
+            head = parse_header(self.files.head(key, HEADER_BYTES), key=key)
         except CasError:  # absent (MissingObjectError), damaged, or of another object format
             return False
+        return head.base is None or key in self.confirmed
 
     def sync(self) -> None:
         self.files.sync()
@@ -183,6 +186,7 @@ class _TensorJob:
     skew: int
     group: int
     keys: list
+    shard: tuple | None = None  # its delta identity (dcp_bases.shard_id) when deltas may code it
 
 
 def global_skew(offsets, sizes, global_size, element_size: int, chunk: int) -> int:
@@ -220,20 +224,26 @@ def _tensor_job(position: int, item: WriteItem, planner: SavePlanner, chunk: int
         raise CasError(f"the planner resolved {fqn!r} at {list(td.chunk.offsets)} to shape {list(tensor.shape)}, "
                        f"the plan says {list(td.chunk.sizes)}")
     skew = global_skew(td.chunk.offsets, td.chunk.sizes, td.size, tensor.element_size(), chunk)
-    return _TensorJob(position, item, T.torch_bytes(tensor), skew, _group_of(tensor.dtype), [])
+    data = T.torch_bytes(tensor)
+    shard = dcp_bases.shard_id(fqn, td.chunk.offsets, td.chunk.sizes, tensor.dtype) \
+        if T.is_floating(tensor.dtype) and data.size >= DELTA_MIN_BYTES else None
+    return _TensorJob(position, item, data, skew, _group_of(tensor.dtype), [], shard)
 
 
-def _write_tensor_jobs(jobs: list[_TensorJob], objects: _RankObjects, pool: ThreadPoolExecutor) -> None:
-    """Hash and store every chunk of `jobs`, filling each job's keys in order."""
+def _write_tensor_jobs(jobs: list[_TensorJob], objects: _RankObjects, pool: ThreadPoolExecutor,
+                       deltas: dcp_bases.RankDeltas | None = None) -> None:
+    """Hash and store every chunk of `jobs`, filling each job's keys in order; with `deltas`,
+    a chunk may be coded against the rank's previous save of the same shard."""
     work = []
     for job in jobs:
         spans = list(chunk_spans(job.data.size, objects.chunk_size, job.skew))
         job.keys = [None] * len(spans)
-        work.extend((job, i, job.data[s:e]) for i, (s, e) in enumerate(spans))
+        work.extend((job, i, s, e) for i, (s, e) in enumerate(spans))
 
     def one(task) -> None:
-        job, i, view = task
-        job.keys[i] = objects.put_chunk(view, job.group)
+        job, i, start, end = task
+        base = deltas.base(job.shard, job.skew, job.data.size, i, start, end) if deltas is not None else None
+        job.keys[i] = objects.put_chunk(job.data[start:end], job.group, base)
 
     for _ in pool.map(one, work):
         pass
@@ -272,8 +282,10 @@ def _value_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data={"pickle": raw})
 
 
-def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects) -> list[WriteResult]:
-    """Every item of this rank's plan: tensor chunks to files (in parallel), values encoded."""
+def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects,
+                     deltas: dcp_bases.RankDeltas | None = None) -> list[WriteResult]:
+    """Every item of this rank's plan: tensor chunks to files (in parallel), values encoded;
+    with `deltas`, floating-point shards coded against this rank's previous save and kept."""
     results: list[WriteResult | None] = [None] * len(plan.items)
     for n, item in enumerate(plan.items):
         if item.type == WriteItemType.BYTE_IO:
@@ -282,9 +294,11 @@ def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects
             if item.type != WriteItemType.BYTE_IO)
     with ThreadPoolExecutor(max_workers=objects.workers, thread_name_prefix="cas-dcp") as pool:
         for batch in pipeline.batches(jobs, lambda job: job.data.size, WRITE_WINDOW_BYTES):  # bounds host copies
-            _write_tensor_jobs(batch, objects, pool)
+            _write_tensor_jobs(batch, objects, pool, deltas)
             for job in batch:
                 results[job.position] = _tensor_result(job)
+                if deltas is not None and job.shard is not None:
+                    deltas.keep(job.shard, job.data, job.skew, job.keys)
     return results
 
 
@@ -453,13 +467,16 @@ class CasWriter(StorageWriter):
     """A DCP StorageWriter that saves checkpoint `step` into the cas store at `path`.
 
     Options: milestone, metrics, meta (as Store.save); chunk_size (only when the store is
-    created here); compress, compression_level; workers (hashing and encoding threads per rank).
+    created here); compress, compression_level; workers (hashing and encoding threads per rank);
+    delta, max_chain (as cas.open: each rank codes changed floating-point chunks against its own
+    previous save, which it keeps in host memory; see store/dcp_bases.py).
     After a failed direct dcp.save, call abort() or drop the writer to end its barrier lease.
     """
 
     def __init__(self, path: str | os.PathLike | Store, *, step: int, milestone: bool = False,
                  metrics: dict | None = None, meta: dict | None = None, chunk_size: int | None = None,
-                 compress: bool = True, compression_level: int = 1, workers: int | None = None) -> None:
+                 compress: bool = True, compression_level: int = 1, workers: int | None = None,
+                 delta: bool = False, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
         super().__init__()
         if type(step) is not int:
             raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
@@ -474,6 +491,8 @@ class CasWriter(StorageWriter):
         self.compress = compress
         self.compression_level = compression_level
         self.workers = workers or min(os.cpu_count() or 2, 8)
+        self.delta = bool(delta)
+        self.max_chain = _checked_max_chain(max_chain)
         self.is_coordinator = False
         self.checkpoint: Checkpoint | None = None  # on the coordinator, once committed
         self._pending: _PendingCommit | None = None
@@ -541,18 +560,33 @@ class CasWriter(StorageWriter):
 
     # -- planning --
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        if not self.delta:
+            return plan
+        return dataclasses.replace(plan, storage_data=dcp_bases.proposal(self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """With deltas: hold each rank's proposed bases and say which are stored (dcp_bases)."""
+        if not self.delta or self._pending is None:
+            return plans
+        session = self._pending.session
+        return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(plan.storage_data, self.step,
+                                                                         session.claim, session.depth))
+                for plan in plans]
 
     # -- every rank --
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         faults.point("dcp.write_data")
         objects = _RankObjects(self.path, compress=self.compress, level=self.compression_level,
                                workers=self.workers)
-        results = write_rank_items(plan, planner, objects)
+        deltas = None
+        if self.delta:
+            objects.confirmed = dcp_bases.confirmed(plan.storage_data, self.step)
+            deltas = dcp_bases.RankDeltas(dcp_bases.cached(self.path), objects.confirmed, self.max_chain)
+            dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes
+        results = write_rank_items(plan, planner, objects, deltas)
         objects.sync()
+        if deltas is not None:
+            dcp_bases.replace(self.path, deltas.current)
         faults.point("dcp.rank_written")
         future: Future = Future()
         future.set_result(results)

@@ -91,8 +91,7 @@ class Store:
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
                  max_chain: int = DEFAULT_MAX_CHAIN) -> None:
-        if type(max_chain) is not int or not 0 <= max_chain <= 255:
-            raise CasError(f"max_chain must be an int from 0 to 255, got {max_chain!r}")
+        _checked_max_chain(max_chain)
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -516,6 +515,12 @@ def _checked_metrics(metrics) -> dict:
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
         out[k] = float(v) if isinstance(v, float) else int(v)
     return out
+
+
+def _checked_max_chain(max_chain) -> int:
+    if type(max_chain) is not int or not 0 <= max_chain <= 255:
+        raise CasError(f"max_chain must be an int from 0 to 255, got {max_chain!r}")
+    return max_chain
 
 
 def _checked_meta(meta) -> dict:

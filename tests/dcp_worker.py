@@ -253,8 +253,22 @@ def small_state_plain(seed: int) -> dict:
     return {"w": torch.randn(256, 256, generator=g), "extra": {"seed": seed}}
 
 
+def scenario_delta(store: str, out: str, rank: int, world: int, res: Report) -> None:
+    """Delta saves of an FSDP2 model and AdamW (small lr, one step between saves), steps 1-4 at
+    max_chain 2, with a gathered reference of each state."""
+    model, _ = sharded_model(world, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    results = {}
+    for step in range(1, 5):
+        train(model, opt, 1, seed=10 + step)
+        write_reference(model, opt, rank, out, f"delta{step}")
+        results[str(step)] = saved(cdcp.save(dcp_state(model, opt, EXTRA), store, step, chunk_size=CHUNK,
+                                             delta=True, max_chain=2))
+    res["saved"] = results
+
+
 SCENARIOS = {"save": scenario_save, "reshard": scenario_reshard, "failures": scenario_failures,
-             "solo": scenario_solo}
+             "solo": scenario_solo, "delta": scenario_delta}
 
 
 def main() -> None:

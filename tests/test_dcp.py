@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cas
 from cas import cli as cas_cli
+from cas import faults
 from cas.store import dcp as cdcp
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -528,3 +529,129 @@ def test_chunks_of_dim0_shards_sit_on_the_global_grid():
     assert cdcp.global_skew([0, 0], [512, 256], [1024, 256], 4, chunk) == 0
     assert cdcp.global_skew([0, 128], [1024, 128], [1024, 256], 4, chunk) == 0  # not whole rows: own grid
     assert cdcp.global_skew([], [], [], 4, chunk) == 0  # a 0-d tensor
+
+
+# --- delta saves ----------------------------------------------------------------------------------
+def index_records(path: str) -> dict:
+    with cas.open(path, readonly=True) as store, store.index.read() as txn:
+        return dict(store.index.iter_records(txn))
+
+
+@pytest.fixture(scope="module")
+def delta_group(tmp_path_factory) -> Group:
+    """2 ranks, FSDP2 + AdamW lr 1e-4, delta saves of steps 1-4 at max_chain 2."""
+    base = tmp_path_factory.mktemp("dcp_delta")
+    return require_ok(run_group("delta", 2, base / "store", base / "out"))
+
+
+def test_two_rank_delta_saves_restore_every_step_bit_for_bit(delta_group):
+    r0, r1 = delta_group.ranks[0]["saved"], delta_group.ranks[1]["saved"]
+    assert all(r0[s]["id"] == r1[s]["id"] for s in ("1", "2", "3", "4"))
+    with cas.open(delta_group.store, readonly=True) as store:
+        assert store.verify().ok
+    for step in (1, 2, 3, 4):
+        ref = reference(delta_group, f"delta{step}")
+        state, _ = load_plain(delta_group.store, step, ref)
+        loaded = flat({"model": state["model"], "optim": {"state": state["optim"]["state"]}})
+        assert [k for k in ref if not same_bits(loaded[k], ref[k])] == [], step
+    records = index_records(delta_group.store)
+    deltas = {k: r for k, r in records.items() if r.base is not None}
+    assert deltas, "no rank coded anything as a delta"
+    assert max(r.depth for r in records.values()) == 2  # 2 of 1, 3 of 2, then 4 whole: max_chain 2
+    assert all(r.base in records and r.depth == records[r.base].depth + 1 for r in deltas.values())
+    # one step apart, the weights' deltas pay (the moments, 2/3 of the bytes, little): ~10% smaller
+    assert r0["2"]["new"] < 0.95 * r0["1"]["new"] and r0["3"]["new"] < 0.95 * r0["4"]["new"], r0
+
+
+def trained_mlp(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_steps(model, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(16, 256, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def snapshot(model, opt) -> dict:
+    return {k: v.clone() for k, v in flat({"model": model.state_dict(), "optim": opt.state_dict()["state"]}).items()}
+
+
+def load_mlp(path: str, step: int, ref: dict) -> dict:
+    model, opt = trained_mlp(seed=99)
+    train_steps(model, opt, 1, seed=0)  # creates the optimizer state a load fills in
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    cdcp.load(state, path, step, no_dist=True)
+    return flat({"model": state["model"], "optim": state["optim"]["state"]})
+
+
+def test_dcp_delta_saves_survive_gc_of_the_checkpoints_that_hold_their_bases(tmp_path):
+    model, opt = trained_mlp()
+    path, refs = str(tmp_path / "s"), {}
+    for step in range(1, 5):
+        train_steps(model, opt, 2, seed=step)
+        refs[step] = snapshot(model, opt)
+        cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
+                  chunk_size=CHUNK, delta=True, max_chain=3)
+    records = index_records(path)
+    assert max(r.depth for r in records.values()) == 3
+    with cas.open(path) as store:
+        for step in (1, 2, 3):
+            store.delete(step)
+        store.gc()
+        assert store.verify().ok
+    assert max(r.depth for r in index_records(path).values()) == 3  # step 4 still needs its whole chain
+    loaded = load_mlp(path, 4, refs[4])
+    assert [k for k in refs[4] if not same_bits(loaded[k], refs[4][k])] == []
+
+
+def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
+    """Step 2 is written (and cached as the next bases) but its commit fails: step 3 must not be
+    coded against it (its files are there, unindexed, and gc sweeps them)."""
+    model, opt = trained_mlp()
+    path, refs = str(tmp_path / "s"), {}
+    for step in (1, 2, 3):
+        train_steps(model, opt, 2, seed=step)
+        refs[step] = snapshot(model, opt)
+        faults.configure("dcp.finish=raise" if step == 2 else "")
+        try:
+            if step == 2:
+                with pytest.raises(faults.InjectedFault):
+                    cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
+                              chunk_size=CHUNK, delta=True)
+                continue
+            cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
+                      chunk_size=CHUNK, delta=True)
+        finally:
+            faults.configure("")
+        if step == 1:
+            with cas.open(path) as store:
+                first = set(store.objects.files.iterate())
+    with cas.open(path) as store:
+        with store.index.read() as txn:
+            indexed = {k for k, _ in store.index.iter_records(txn)}
+        step2 = set(store.objects.files.iterate()) - indexed - first  # written, never indexed
+        assert step2, "the failed save left no chunk files"
+        store.gc()
+        assert store.verify().ok and [ck.step for ck in store.checkpoints()] == [1, 3]
+    records = index_records(path)
+    # step 3's cached bases were step 2's chunks: none confirmed, so step 3 is stored whole
+    assert not any(r.base is not None for r in records.values())
+    loaded = load_mlp(path, 3, refs[3])
+    assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
+
+
+def test_a_cached_plan_of_another_step_confirms_no_base():
+    from cas.store import dcp_bases
+    key = bytes(32)
+    answer = dcp_bases.confirm({dcp_bases.PROPOSAL: [key, "junk"]}, 7, lambda keys: None, lambda k: 1)
+    assert dcp_bases.confirmed(answer, 7) == {key: 1}
+    assert dcp_bases.confirmed(answer, 8) == {}  # a plan cached from step 7, reused at step 8
+    assert dcp_bases.confirmed({dcp_bases.FOR_STEP: 7, dcp_bases.PROPOSAL: [key]}, 7) == {}  # no depths
+    missing = dcp_bases.confirm({dcp_bases.PROPOSAL: [key]}, 7, lambda keys: None, lambda k: None)
+    assert dcp_bases.confirmed(missing, 7) == {}

@@ -1,0 +1,129 @@
+"""Delta bases of DCP saves: each rank keeps its last save's floating-point shard bytes.
+
+A rank codes a changed chunk against the same chunk of its previous save (a `sub` delta, as
+Store.save does with delta=True). Ranks never open the index, so a rank cannot tell whether the
+chunks it wrote last time were committed (that save may have failed after writing) or are still
+stored. The protocol therefore goes through DCP's planning round trip:
+
+  1. prepare_local_plan, every rank: the keys of its cached chunks go to the coordinator in the
+     plan's storage_data (`proposal`).
+  2. prepare_global_plan, coordinator: claims those keys in its barrier session, which holds them
+     (no gc sweeps them until the commit) and says which are stored; each plan goes back with
+     the chain depth of each stored key, or NOT_STORED (`confirm`).
+  3. write_data, every rank: only confirmed bases whose chain is shorter than max_chain are used
+     (`RankDeltas.base`); the chunk's delta object names its base, which the coordinator indexes as a
+     base edge when it adopts the file. Then this save's shard bytes replace the cache (`RankDeltas.keep`).
+
+Memory: one copy of the rank's floating-point shards (its share of the state, not the whole
+state), per store path and process: one rank per process, as DCP runs it. A cache is dropped
+when a write fails half-way (its buffers were being overwritten).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NOT_STORED = 255  # in a confirmation: the key is not stored (or its chain is too deep to use)
+PROPOSAL = "cas_bases"
+CONFIRMED = "cas_base_depths"
+FOR_STEP = "cas_step"
+
+
+@dataclass
+class ShardBase:
+    """One shard's bytes at the rank's last save, and its chunk keys."""
+
+    data: np.ndarray
+    skew: int
+    keys: list
+
+
+@dataclass
+class Cache:
+    shards: dict = field(default_factory=dict)  # shard id -> ShardBase
+
+    def keys(self) -> list[bytes]:
+        return list(dict.fromkeys(k for shard in self.shards.values() for k in shard.keys))
+
+
+_caches: dict[str, Cache] = {}
+_lock = threading.Lock()
+
+
+def shard_id(fqn: str, offsets, sizes, dtype) -> tuple:
+    return fqn, tuple(offsets), tuple(sizes), str(dtype)
+
+
+def cached(path: str) -> Cache | None:
+    with _lock:
+        return _caches.get(path)
+
+
+def replace(path: str, cache: Cache | None) -> None:
+    with _lock:
+        if cache is None:
+            _caches.pop(path, None)
+        else:
+            _caches[path] = cache
+
+
+def proposal(path: str) -> dict:
+    cache = cached(path)
+    return {PROPOSAL: cache.keys() if cache else []}
+
+
+def confirm(storage_data, step: int, claim, depth_of) -> dict:
+    """The coordinator's answer to one rank's proposal: `claim(keys)` holds the keys (gc keeps
+    them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
+    depth, None for one that is not stored."""
+    keys = storage_data.get(PROPOSAL) if isinstance(storage_data, dict) else None
+    keys = [k for k in keys if isinstance(k, bytes)] if isinstance(keys, list) else []
+    if keys:
+        claim(keys)
+    depths = (depth_of(k) for k in keys)
+    return {FOR_STEP: step, PROPOSAL: keys,
+            CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths)}
+
+
+def confirmed(storage_data, step: int) -> dict[bytes, int]:
+    """The stored keys of this rank's proposal, with their chain depths. Empty when the plan
+    carries no confirmation for the save of `step` (a cached plan of an earlier save, say)."""
+    if not isinstance(storage_data, dict) or storage_data.get(FOR_STEP) != step:
+        return {}
+    keys, depths = storage_data.get(PROPOSAL), storage_data.get(CONFIRMED)
+    if not isinstance(keys, list) or not isinstance(depths, bytes) or len(keys) != len(depths):
+        return {}
+    return {k: d for k, d in zip(keys, depths) if d != NOT_STORED}
+
+
+@dataclass
+class RankDeltas:
+    """One rank's delta coding in one save: what it may code against, and the cache it fills."""
+
+    previous: Cache | None
+    stored: dict  # confirmed key -> chain depth
+    max_chain: int
+    current: Cache = field(default_factory=Cache)
+
+    def base(self, shard, skew: int, nbytes: int, index: int, start: int, end: int) -> tuple | None:
+        """(key, bytes, depth) of the previous save's chunk at this position, when it is stored
+        and its chain is shorter than max_chain."""
+        prev = self.previous.shards.get(shard) if self.previous is not None and shard is not None else None
+        if prev is None or prev.skew != skew or prev.data.size != nbytes or index >= len(prev.keys):
+            return None
+        key = prev.keys[index]
+        depth = self.stored.get(key)
+        if depth is None or depth >= self.max_chain:
+            return None
+        return key, prev.data[start:end], depth
+
+    def keep(self, shard, data: np.ndarray, skew: int, keys: list) -> None:
+        """Remember a shard just written, for the next save. The previous save's buffer of the
+        same shard is reused: only this shard's own chunks were coded against it."""
+        prev = self.previous.shards.get(shard) if self.previous is not None else None
+        buf = prev.data if prev is not None and prev.data.size == data.size else np.empty(data.size, dtype=np.uint8)
+        np.copyto(buf, data)
+        self.current.shards[shard] = ShardBase(buf, skew, list(keys))
