@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_delta import FLOATS, chains, evolve
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -29,6 +32,7 @@ import cas
 from cas import cli as cas_cli
 from cas import faults
 from cas.store import dcp as cdcp
+from cas.store.tensors import TORCH_DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -655,3 +659,25 @@ def test_a_cached_plan_of_another_step_confirms_no_base():
     assert dcp_bases.confirmed({dcp_bases.FOR_STEP: 7, dcp_bases.PROPOSAL: [key]}, 7) == {}  # no depths
     missing = dcp_bases.confirm({dcp_bases.PROPOSAL: [key]}, 7, lambda keys: None, lambda k: None)
     assert dcp_bases.confirmed(missing, 7) == {}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(FLOATS), chain=chains, rows=st.sampled_from([40, 300]), gc_keep=st.integers(1, 3))
+def test_any_chain_of_dcp_delta_saves_restores_bit_for_bit_also_after_gc(tmp_path_factory, dtype, chain, rows,
+                                                                         gc_keep):
+    path = str(tmp_path_factory.mktemp("dcp_delta") / "s")
+    torch.manual_seed(0)
+    t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
+    history = {}
+    for step, (seed, scale, frac) in enumerate(chain):
+        t = evolve(t, seed, scale, frac)
+        cdcp.save({"w": t, "n": step}, path, step, no_dist=True, chunk_size=64 << 10, delta=True, max_chain=3)
+        history[step] = t.clone()
+    with cas.open(path) as store:
+        store.gc(keep_last=gc_keep)
+        assert store.verify().ok
+        kept = [ck.step for ck in store.checkpoints()]
+    for step in kept:
+        target = {"w": torch.zeros_like(history[step]), "n": -1}
+        cdcp.load(target, path, step, no_dist=True)
+        assert same_bits(target["w"], history[step]) and target["n"] == step, step
