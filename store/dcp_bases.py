@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-NOT_STORED = 255  # in a confirmation: the key is not stored (or its chain is too deep to use)
+NOT_STORED = 255  # in a confirmation: the key is not stored (stored depths are capped at 254)
 PROPOSAL = "cas_bases"
 CONFIRMED = "cas_base_depths"
 FOR_STEP = "cas_step"
@@ -75,7 +76,8 @@ def proposal(path: str) -> dict:
     return {PROPOSAL: cache.keys() if cache else []}
 
 
-def confirm(storage_data, step: int, claim, depth_of) -> dict:
+def confirm(storage_data, step: int, claim: Callable[[list], object],
+            depth_of: Callable[[bytes], int | None]) -> dict:
     """The coordinator's answer to one rank's proposal: `claim(keys)` holds the keys (gc keeps
     them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
     depth, None for one that is not stored."""
