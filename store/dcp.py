@@ -81,9 +81,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cas import faults
-from cas.codecs import CodecPolicy, parse_header
+from cas.codecs import CodecPolicy, decode_into, parse_header
 from cas.errors import CasError, CheckpointNotFoundError, CorruptionError
 from cas.hashing import hash_bytes
+from cas.index import WHERE_FILE
 from cas.objects import FileObjects
 from cas.objectstore import WriteSession
 
@@ -162,8 +163,18 @@ class _RankObjects:
             known = key in self._seen
             self._seen.add(key)
         if not known and not self._reusable(key):
+            if base is not None and base[1] is None:  # a chain root: decode its file here
+                base = self._decoded(base[0], view.nbytes)
             self.files.put(key, self.codec.encode(view, group, base[:2] if base else None).parts)
         return key
+
+    def _decoded(self, key: bytes, nbytes: int) -> tuple | None:
+        """(key, raw bytes, 0) of a full object file, hash-checked; None when it cannot be read
+        (the chunk is then stored whole; a damaged root is verify's to report)."""
+        try:
+            return key, decode_into(self.files.get(key), key, pipeline.root_buffer(nbytes)), 0
+        except CasError:
+            return None
 
     def _reusable(self, key: bytes) -> bool:
         try:
@@ -430,6 +441,23 @@ class _PendingCommit:
                 self.store.close()
 
 
+def _readable_roots(session: WriteSession, keys: list[bytes]) -> dict[bytes, bytes]:
+    """The roots of the chains of `keys` that ranks can read (full objects in files of their
+    own: ranks cannot locate an object inside a pack), held by the session."""
+    try:
+        chains = session.store.chains(keys)
+    except CorruptionError:  # a damaged index: verify reports it; these chunks are stored whole
+        return {}
+    roots = {}
+    for key, chain in chains.items():
+        rec = session.store.record(chain[-1]) if len(chain) > 1 else None
+        if rec is not None and rec.where == WHERE_FILE and rec.base is None:
+            roots[key] = chain[-1]
+    if roots:
+        session.claim(list(set(roots.values())))
+    return {k: r for k, r in roots.items() if session.depth(r) == 0}
+
+
 def _adopt_chunks(session: WriteSession, keys: list[bytes]) -> None:
     """Index the chunk files the ranks reported (at commit). A key the index had in a pack (a
     small chunk of an ordinary save) now points at the rank's file; gc drops the pack entry."""
@@ -569,9 +597,9 @@ class CasWriter(StorageWriter):
         if not self.delta or self._pending is None:
             return plans
         session = self._pending.session
-        return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(plan.storage_data, self.step,
-                                                                         session.claim, session.depth))
-                for plan in plans]
+        return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(
+                    plan.storage_data, self.step, self.max_chain, session.claim, session.depth,
+                    functools.partial(_readable_roots, session))) for plan in plans]
 
     # -- every rank --
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -580,8 +608,8 @@ class CasWriter(StorageWriter):
                                workers=self.workers)
         deltas = None
         if self.delta:
-            objects.confirmed = dcp_bases.confirmed(plan.storage_data, self.step)
-            deltas = dcp_bases.RankDeltas(dcp_bases.cached(self.path), objects.confirmed, self.max_chain)
+            objects.confirmed, roots = dcp_bases.confirmed(plan.storage_data, self.step)
+            deltas = dcp_bases.RankDeltas(dcp_bases.cached(self.path), objects.confirmed, roots, self.max_chain)
             dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes
         results = write_rank_items(plan, planner, objects, deltas)
         objects.sync()

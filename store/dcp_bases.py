@@ -9,10 +9,12 @@ stored. The protocol therefore goes through DCP's planning round trip:
      plan's storage_data (`proposal`).
   2. prepare_global_plan, coordinator: claims those keys in its barrier session, which holds them
      (no gc sweeps them until the commit) and says which are stored; each plan goes back with
-     the chain depth of each stored key, or NOT_STORED (`confirm`).
-  3. write_data, every rank: only confirmed bases whose chain is shorter than max_chain are used
-     (`RankDeltas.base`); the chunk's delta object names its base, which the coordinator indexes as a
-     base edge when it adopts the file. Then this save's shard bytes replace the cache (`RankDeltas.keep`).
+     the chain depth of each stored key, or NOT_STORED, and for keys whose chain is full the
+     chain's root, when ranks can read it (held too) (`confirm`).
+  3. write_data, every rank: a confirmed base whose chain is shorter than max_chain is used,
+     else the chain's root, decoded from its file (`RankDeltas.base`); the chunk's delta object
+     names its base, which the coordinator indexes as a base edge when it adopts the file.
+     Then this save's shard bytes replace the cache (`RankDeltas.keep`).
 
 Memory: one copy of the rank's floating-point shards (its share of the state, not the whole
 state), per store path and process: one rank per process, as DCP runs it. A cache is dropped
@@ -31,6 +33,7 @@ NOT_STORED = 255  # in a confirmation: the key is not stored (stored depths are 
 PROPOSAL = "cas_bases"
 CONFIRMED = "cas_base_depths"
 FOR_STEP = "cas_step"
+ROOTS = "cas_base_roots"
 
 
 @dataclass
@@ -76,29 +79,34 @@ def proposal(path: str) -> dict:
     return {PROPOSAL: cache.keys() if cache else []}
 
 
-def confirm(storage_data, step: int, claim: Callable[[list], object],
-            depth_of: Callable[[bytes], int | None]) -> dict:
+def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], object],
+            depth_of: Callable[[bytes], int | None],
+            roots_of: Callable[[list], dict[bytes, bytes]]) -> dict:
     """The coordinator's answer to one rank's proposal: `claim(keys)` holds the keys (gc keeps
     them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
-    depth, None for one that is not stored."""
+    depth, None for one that is not stored. For keys whose chain is full, `roots_of` gives the
+    chain roots a rank may code against instead (held too), as Store.save does."""
     keys = storage_data.get(PROPOSAL) if isinstance(storage_data, dict) else None
     keys = [k for k in keys if isinstance(k, bytes)] if isinstance(keys, list) else []
     if keys:
         claim(keys)
-    depths = (depth_of(k) for k in keys)
+    depths = [depth_of(k) for k in keys]
+    full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain]
     return {FOR_STEP: step, PROPOSAL: keys,
-            CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths)}
+            CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths),
+            ROOTS: roots_of(full) if full else {}}
 
 
-def confirmed(storage_data, step: int) -> dict[bytes, int]:
-    """The stored keys of this rank's proposal, with their chain depths. Empty when the plan
-    carries no confirmation for the save of `step` (a cached plan of an earlier save, say)."""
+def confirmed(storage_data, step: int) -> tuple[dict[bytes, int], dict[bytes, bytes]]:
+    """The stored keys of this rank's proposal with their chain depths, and the roots of the full
+    chains among them. Empty when the plan carries no confirmation for the save of `step` (a
+    cached plan of an earlier save, say)."""
     if not isinstance(storage_data, dict) or storage_data.get(FOR_STEP) != step:
-        return {}
-    keys, depths = storage_data.get(PROPOSAL), storage_data.get(CONFIRMED)
+        return {}, {}
+    keys, depths, roots = storage_data.get(PROPOSAL), storage_data.get(CONFIRMED), storage_data.get(ROOTS)
     if not isinstance(keys, list) or not isinstance(depths, bytes) or len(keys) != len(depths):
-        return {}
-    return {k: d for k, d in zip(keys, depths) if d != NOT_STORED}
+        return {}, {}
+    return {k: d for k, d in zip(keys, depths) if d != NOT_STORED}, roots if isinstance(roots, dict) else {}
 
 
 @dataclass
@@ -107,19 +115,24 @@ class RankDeltas:
 
     previous: Cache | None
     stored: dict  # confirmed key -> chain depth
+    roots: dict  # confirmed key whose chain is full -> its chain's root (a full object file)
     max_chain: int
     current: Cache = field(default_factory=Cache)
 
     def base(self, shard, skew: int, nbytes: int, index: int, start: int, end: int) -> tuple | None:
         """(key, bytes, depth) of the previous save's chunk at this position, when it is stored
-        and its chain is shorter than max_chain."""
+        and its chain is shorter than max_chain; (root key, None, 0) when the chain is full and
+        its root can be read (the caller decodes it); else None."""
         prev = self.previous.shards.get(shard) if self.previous is not None and shard is not None else None
         if prev is None or prev.skew != skew or prev.data.size != nbytes or index >= len(prev.keys):
             return None
         key = prev.keys[index]
         depth = self.stored.get(key)
-        if depth is None or depth >= self.max_chain:
+        if depth is None:
             return None
+        if depth >= self.max_chain:
+            root = self.roots.get(key)
+            return (root, None, 0) if isinstance(root, bytes) else None
         return key, prev.data[start:end], depth
 
     def keep(self, shard, data: np.ndarray, skew: int, keys: list) -> None:

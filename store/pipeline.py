@@ -137,7 +137,7 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
 def _write_chunk(session: WriteSession, key: bytes, view: np.ndarray, group: int, base: tuple | None) -> int:
     if base is not None and base[1] is None:  # the root of a full chain: decode it here
         try:
-            base = (base[0], session.store.get(base[0], _root_buffer(view.nbytes)), 0)
+            base = (base[0], session.store.get(base[0], root_buffer(view.nbytes)), 0)
         except CorruptionError:
             base = None  # a damaged root is verify's to report; this chunk is stored whole
     return session.write(key, view, group, base)
@@ -146,8 +146,9 @@ def _write_chunk(session: WriteSession, key: bytes, view: np.ndarray, group: int
 _local = threading.local()
 
 
-def _root_buffer(nbytes: int) -> np.ndarray:
-    """A per-thread buffer for decoded chain roots: fresh memory is slow to touch here."""
+def root_buffer(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for decoded chain roots (Store.save's workers and DCP ranks'): fresh
+    memory is slow to touch here."""
     buf = getattr(_local, "root", None)
     if buf is None or buf.size < nbytes:
         buf = _local.root = np.empty(nbytes, dtype=np.uint8)

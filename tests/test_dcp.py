@@ -561,10 +561,16 @@ def test_two_rank_delta_saves_restore_every_step_bit_for_bit(delta_group):
     records = index_records(delta_group.store)
     deltas = {k: r for k, r in records.items() if r.base is not None}
     assert deltas, "no rank coded anything as a delta"
-    assert max(r.depth for r in records.values()) == 2  # 2 of 1, 3 of 2, then 4 whole: max_chain 2
+    assert max(r.depth for r in records.values()) == 2  # 2 of 1, 3 of 2: max_chain 2
     assert all(r.base in records and r.depth == records[r.base].depth + 1 for r in deltas.values())
+    with cas.open(delta_group.store, readonly=True) as store:
+        first, third, fourth = ({k for t in store.tensors(s) for k in t["chunks"]} for s in (1, 3, 4))
+    # where 3's chain is full, 4 is coded against its root (a step-1 chunk) at depth 1
+    coded = [records[k] for k in fourth if records[k].base is not None]
+    assert any(r.base in first and r.depth == 1 for r in coded)
+    assert all(r.base in third or r.base in first for r in coded)
     # one step apart, the weights' deltas pay (the moments, 2/3 of the bytes, little): ~10% smaller
-    assert r0["2"]["new"] < 0.95 * r0["1"]["new"] and r0["3"]["new"] < 0.95 * r0["4"]["new"], r0
+    assert r0["2"]["new"] < 0.95 * r0["1"]["new"] and r0["4"]["new"] < 0.95 * r0["1"]["new"], r0
 
 
 def trained_mlp(seed: int = 0):
@@ -653,12 +659,17 @@ def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
 def test_a_cached_plan_of_another_step_confirms_no_base():
     from cas.store import dcp_bases
     key = bytes(32)
-    answer = dcp_bases.confirm({dcp_bases.PROPOSAL: [key, "junk"]}, 7, lambda keys: None, lambda k: 1)
-    assert dcp_bases.confirmed(answer, 7) == {key: 1}
-    assert dcp_bases.confirmed(answer, 8) == {}  # a plan cached from step 7, reused at step 8
-    assert dcp_bases.confirmed({dcp_bases.FOR_STEP: 7, dcp_bases.PROPOSAL: [key]}, 7) == {}  # no depths
-    missing = dcp_bases.confirm({dcp_bases.PROPOSAL: [key]}, 7, lambda keys: None, lambda k: None)
-    assert dcp_bases.confirmed(missing, 7) == {}
+    root = bytes(range(32))
+
+    def answer(depth):
+        return dcp_bases.confirm({dcp_bases.PROPOSAL: [key, "junk"]}, 7, 2, lambda keys: None, lambda k: depth,
+                                 lambda keys: {k: root for k in keys})
+
+    assert dcp_bases.confirmed(answer(1), 7) == ({key: 1}, {})
+    assert dcp_bases.confirmed(answer(2), 7) == ({key: 2}, {key: root})  # a full chain: its root instead
+    assert dcp_bases.confirmed(answer(1), 8) == ({}, {})  # a plan cached from step 7, reused at step 8
+    assert dcp_bases.confirmed({dcp_bases.FOR_STEP: 7, dcp_bases.PROPOSAL: [key]}, 7) == ({}, {})  # no depths
+    assert dcp_bases.confirmed(answer(None), 7) == ({}, {})  # not stored
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
