@@ -19,7 +19,8 @@ compressed by zipnn, torch input, 2 threads). Reported per series and state: sto
 the torch.save files, and the delta store's bytes by part of the state; save throughput (GB/s of
 logical bytes, each save timed to its durable return) with and without delta.
 
-On the every-10-steps series also: restore time by chain depth (the deepest chunk of a checkpoint,
+On the every-10-steps series also: a delta store with delta_memory=0 (fp32: every base decoded
+from the store by the save's workers instead of kept in host memory), and restore time by chain depth (the deepest chunk of a checkpoint,
 from the index records of its chunk keys) in the delta store, restoring into preallocated tensors
 (store.restore, min of reps, warm page cache); the same against the delta=False store; and
 max_chain 1, 2, 4, 8, 16 side by side (stored bytes, deepest restore) to choose the default from data.
@@ -67,6 +68,7 @@ MAIN_CHAIN = DEFAULT_MAX_CHAIN  # the main delta stores use the store's default 
 TRAIN_THREADS = 1
 TORCH, ZSTD, ZIPNN_COL = "torch.save files", "zstd-1 per file", "ZipNN per file"
 DELTA, PLAIN = "cas delta=True", "cas delta=False"
+READBACK = f"{DELTA} delta_memory=0"  # no bytes kept in memory: every base decoded from the store
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,9 @@ def make_sinks(folder: str, kind: str, chains: tuple) -> list:
         if mc != MAIN_CHAIN:
             sinks.append(CasSink(f"{DELTA} max_chain={mc}", os.path.join(folder, f"{kind}-delta-{mc}"),
                                  delta=True, max_chain=mc))
+    if chains:  # the other source of base bytes: read back from the store, at bounded memory
+        sinks.append(CasSink(READBACK, os.path.join(folder, f"{kind}-readback"), delta=True, max_chain=MAIN_CHAIN,
+                             delta_memory=0))
     return sinks
 
 
@@ -340,7 +345,8 @@ def summarize(sinks: list) -> dict:
     return {"bytes": sizes, "vs_torch": {k: v / sizes[TORCH] for k, v in sizes.items()},
             "delta_vs_torch": sizes[DELTA] / sizes[TORCH], "logical_bytes": delta.logical,
             "delta_parts_vs_torch": {k: v / sizes[TORCH] for k, v in parts.items()},
-            "save_gbps": {DELTA: delta.gbps(), PLAIN: plain.gbps()}, "delta_speed": delta.gbps() / plain.gbps(),
+            "save_gbps": {s.labels[0]: s.gbps() for s in sinks if isinstance(s, CasSink)},
+            "delta_speed": delta.gbps() / plain.gbps(),
             "save_s": {DELTA: delta.save_s.summary(), PLAIN: plain.save_s.summary()}}
 
 
@@ -360,8 +366,9 @@ def print_series(r: dict) -> None:
         cells = [f"{mb(st['bytes'][label])} {st['vs_torch'][label]:6.3f}x" if label in st["bytes"] else ""
                  for st in (fp32, bf16)]
         print(f"  {label:32} {cells[0]:>24} {cells[1]:>24}")
-    for label in (DELTA, PLAIN):
-        print(f"  save GB/s, {label:21} {fp32['save_gbps'][label]:24.3f} {bf16['save_gbps'][label]:24.3f}")
+    for label in (PLAIN, DELTA, READBACK):
+        cells = [f"{st['save_gbps'][label]:24.3f}" if label in st["save_gbps"] else f"{'':24}" for st in (fp32, bf16)]
+        print(f"  save GB/s, {label:21} {cells[0]} {cells[1]}")
     print(f"  {'delta / no-delta save speed':32} {fp32['delta_speed']:24.3f} {bf16['delta_speed']:24.3f}")
     parts = ", ".join(f"{k} {v:.3f}" for st in (fp32, bf16) for k, v in st["delta_parts_vs_torch"].items())
     print(f"  delta store's bytes by part, as a share of the torch.save files: {parts}")

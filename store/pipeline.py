@@ -29,13 +29,15 @@ CLAIM_BATCH = 64  # chunks hashed, then claimed in one index transaction
 
 @dataclass(frozen=True)
 class BaseTensor:
-    """The previous save's bytes and chunk keys of one tensor: what its chunks are coded against."""
+    """The previous save's bytes and chunk keys of one tensor: what its chunks are coded against.
+    `data` is None when only the keys were kept (Store's delta_memory): the bases are then
+    decoded from the store by the worker that codes the chunk."""
 
     nbytes: int
     chunk_size: int
     skew: int
     keys: list
-    data: np.ndarray
+    data: np.ndarray | None
 
     def matches(self, leaf: TensorLeaf) -> bool:
         return (self.nbytes, self.chunk_size, self.skew) == (leaf.nbytes, leaf.chunk_size, leaf.skew)
@@ -73,7 +75,7 @@ def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.nd
     base = bases.get(leaf.path)
     if base is None or not leaf.floating or not base.matches(leaf):
         return None
-    return base.keys[i], base.data[start:start + view.nbytes]
+    return base.keys[i], None if base.data is None else base.data[start:start + view.nbytes]
 
 
 def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadPoolExecutor,
@@ -112,9 +114,10 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
 
 def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
     """Per chunk to write, what it may be coded against: (key, raw bytes, depth) of the previous
-    save's chunk while its chain is shorter than `max_chain`; once the chain is full, (key,
-    None, 0) of the chain's root (a full object, decoded by the worker), so a long chain ends
-    in a delta against its root rather than in a full copy; or None."""
+    save's chunk while its chain is shorter than `max_chain` (bytes None when only its key was
+    kept: the worker decodes it); once the chain is full, (key, None, 0) of the chain's root (a
+    full object, decoded by the worker), so a long chain ends in a delta against its root rather
+    than in a full copy; or None."""
     out: list = []
     full: dict[int, bytes] = {}  # position -> the previous chunk whose chain is full
     for n, (_, _, _, key, cand) in enumerate(todo):
@@ -135,11 +138,11 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
 
 
 def _write_chunk(session: WriteSession, key: bytes, view: np.ndarray, group: int, base: tuple | None) -> int:
-    if base is not None and base[1] is None:  # the root of a full chain: decode it here
+    if base is not None and base[1] is None:  # a chain root, or a base whose bytes were not kept
         try:
-            base = (base[0], session.store.get(base[0], root_buffer(view.nbytes)), 0)
+            base = (base[0], session.store.get(base[0], root_buffer(view.nbytes)), base[2])
         except CorruptionError:
-            base = None  # a damaged root is verify's to report; this chunk is stored whole
+            base = None  # a damaged base is verify's to report; this chunk is stored whole
     return session.write(key, view, group, base)
 
 

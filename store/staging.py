@@ -35,6 +35,11 @@ class StagingArena:
         for leaf in leaves:
             offsets.append(total)
             total += -(-leaf.nbytes // ALIGN) * ALIGN
+        if total == 0:  # nothing to copy: hold no memory
+            self._buffer = None
+            for leaf in leaves:
+                leaf.staged = np.empty(0, dtype=np.uint8)
+            return
         arena = self._reserve(total)
         cuda = False
         for leaf, offset in zip(leaves, offsets):

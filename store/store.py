@@ -90,8 +90,10 @@ class Store:
                  chunk_size: int | None = None, compress: bool = True, compression_level: int = 1,
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
-                 max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+                 max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         _checked_max_chain(max_chain)
+        if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
+            raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -123,6 +125,7 @@ class Store:
         self._arenas: list[StagingArena] = []
         self.delta = delta
         self.max_chain = max_chain
+        self.delta_memory = delta_memory  # bytes of the last save kept for deltas; None: all of them
         self._bases: dict[str, pipeline.BaseTensor] = {}  # the last save's floating tensors
         self._base_arena = StagingArena()
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
@@ -249,14 +252,23 @@ class Store:
             return ck
 
     def _remember_bases(self, leaves: list) -> None:
-        """Keep a copy of this save's floating-point tensors: the next save codes its changed
-        chunks against them (sub deltas). Costs host memory of their size, reused save to save."""
+        """Remember this save's floating-point tensors: the next save codes its changed chunks
+        against them (sub deltas). Their bytes are copied into a reused buffer up to
+        `delta_memory` (in state order); of the rest only the chunk keys are kept, and the next
+        save's workers decode those bases from the store (bounded memory, a decode per chunk)."""
         floating = [leaf for leaf in leaves if leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES]
-        self._bases = {}
-        self._base_arena.stage(floating)
-        self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
-                                                      leaf.staged) for leaf in floating}
+        budget = sum(leaf.nbytes for leaf in floating) if self.delta_memory is None else self.delta_memory
+        kept, used = [], 0
         for leaf in floating:
+            if used + leaf.nbytes <= budget:
+                kept.append(leaf)
+                used += leaf.nbytes
+        self._bases = {}
+        self._base_arena.stage(kept)
+        copies = {id(leaf): leaf.staged for leaf in kept}
+        self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
+                                                      copies.get(id(leaf))) for leaf in floating}
+        for leaf in kept:
             leaf.staged = None
 
     def _commit_job(self, job: "_SaveJob", bases: dict) -> Checkpoint:

@@ -42,13 +42,16 @@ chains = st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from([1e-6, 1e-3, 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from(FLOATS), chain=chains, rows=st.sampled_from([40, 300]),
-       gc_keep=st.integers(1, 3))
-def test_any_chain_of_states_restores_bit_for_bit_also_after_gc(tmp_path_factory, dtype, chain, rows, gc_keep):
+       gc_keep=st.integers(1, 3), memory=st.sampled_from([None, 0]))
+def test_any_chain_of_states_restores_bit_for_bit_also_after_gc(tmp_path_factory, dtype, chain, rows, gc_keep,
+                                                                memory):
+    """memory 0: no bytes of the last save are kept; every base is decoded from the store."""
     path = tmp_path_factory.mktemp("delta") / "s"
     torch.manual_seed(0)
     t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
     history = {}
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=3) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=3,
+                  delta_memory=memory) as store:
         for step, (seed, scale, frac) in enumerate(chain):
             t = evolve(t, seed, scale, frac)
             store.save({"w": t, "n": step}, step=step)
@@ -277,3 +280,38 @@ def test_float8_chunks_are_deltas_too(tmp_path):
         assert _records(store)[store.tensors(2)[0]["chunks"][0]].base is not None
         assert second.new_bytes < 0.6 * first.new_bytes
         assert store.load(2)["w"].view(torch.uint8).equal(drifted.view(torch.uint8))
+
+
+def test_bounded_delta_memory_codes_the_same_deltas_from_bases_read_back(tmp_path):
+    """delta_memory caps the bytes of the last save kept in host memory; beyond it the bases are
+    decoded from the store: the same deltas, the same bytes, more decoding at save time."""
+    torch.manual_seed(0)
+    start = [torch.randn(256, 1024) for _ in range(3)]
+    stored, reads = {}, {}
+    for memory in (None, 1 << 20, 0):
+        w = [t.clone() for t in start]
+        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta=True, max_chain=2,
+                      delta_memory=memory) as store:
+            calls = []
+            get = store.objects.get
+            store.objects.get = lambda key, *a, **k: (calls.append(key), get(key, *a, **k))[1]
+            sizes = []
+            for step in range(6):
+                w = [t + 1e-4 * torch.randn_like(t) for t in w]
+                sizes.append(store.save({"a": w[0], "b": w[1], "c": w[2]}, step=step).new_bytes)
+                assert all(store.load(step)[k].equal(t) for k, t in zip("abc", w))
+            stored[memory], reads[memory] = sum(sizes), len(calls)
+            kept = store._base_arena._buffer
+            if memory == 0:
+                assert kept is None  # not one byte of the last save in host memory
+            assert any(r.base is not None and r.depth == 2 for r in _records(store).values())
+            assert store.verify().ok
+    assert abs(stored[0] - stored[None]) < 0.01 * stored[None]
+    assert abs(stored[1 << 20] - stored[None]) < 0.01 * stored[None]
+    assert reads[None] < reads[1 << 20] < reads[0]  # loads read the same; saves read back what was not kept
+
+
+def test_delta_memory_must_be_a_byte_count(tmp_path):
+    for bad in (-1, 1.5, "1G"):
+        with pytest.raises(cas.CasError, match="delta_memory"):
+            cas.open(tmp_path / "s", delta=True, delta_memory=bad)
