@@ -17,7 +17,8 @@ stored. The protocol therefore goes through DCP's planning round trip:
      Then this save's shard bytes replace the cache (`RankDeltas.keep`).
 
 Memory: one copy of the rank's floating-point shards (its share of the state, not the whole
-state), per store path and process: one rank per process, as DCP runs it. A cache is dropped
+state), per store path and process (one rank per process, as DCP runs it), for the MAX_STORES
+stores saved into last. A cache is dropped
 when a write fails half-way (its buffers were being overwritten).
 """
 
@@ -53,8 +54,9 @@ class Cache:
         return list(dict.fromkeys(k for shard in self.shards.values() for k in shard.keys))
 
 
-_caches: dict[str, Cache] = {}
+_caches: dict[str, Cache] = {}  # by store path, least recently saved first
 _lock = threading.Lock()
+MAX_STORES = 4  # a process saving into more stores than this keeps bases for the latest four
 
 
 def shard_id(fqn: str, offsets, sizes, dtype) -> tuple:
@@ -68,10 +70,11 @@ def cached(path: str) -> Cache | None:
 
 def replace(path: str, cache: Cache | None) -> None:
     with _lock:
-        if cache is None:
-            _caches.pop(path, None)
-        else:
+        _caches.pop(path, None)
+        if cache is not None:
             _caches[path] = cache
+            while len(_caches) > MAX_STORES:
+                _caches.pop(next(iter(_caches)))
 
 
 def proposal(path: str) -> dict:

@@ -692,3 +692,11 @@ def test_any_chain_of_dcp_delta_saves_restores_bit_for_bit_also_after_gc(tmp_pat
         target = {"w": torch.zeros_like(history[step]), "n": -1}
         cdcp.load(target, path, step, no_dist=True)
         assert same_bits(target["w"], history[step]) and target["n"] == step, step
+
+
+def test_a_process_keeps_delta_bases_for_a_bounded_number_of_stores(tmp_path):
+    from cas.store import dcp_bases
+    paths = [str(tmp_path / f"s{i}") for i in range(dcp_bases.MAX_STORES + 2)]
+    for path in paths:
+        cdcp.save({"w": torch.randn(128, 256)}, path, 1, no_dist=True, delta=True)
+    assert [dcp_bases.cached(p) is not None for p in paths] == [False] * 2 + [True] * dcp_bases.MAX_STORES
