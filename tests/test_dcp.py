@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from dcp_worker import train
 from test_delta import FLOATS, chains, evolve
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -579,22 +580,13 @@ def trained_mlp(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def train_steps(model, opt, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        loss = model(torch.randn(16, 256, generator=g)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 def snapshot(model, opt) -> dict:
     return {k: v.clone() for k, v in flat({"model": model.state_dict(), "optim": opt.state_dict()["state"]}).items()}
 
 
 def load_mlp(path: str, step: int, ref: dict) -> dict:
     model, opt = trained_mlp(seed=99)
-    train_steps(model, opt, 1, seed=0)  # creates the optimizer state a load fills in
+    train(model, opt, 1, seed=0)  # creates the optimizer state a load fills in
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     cdcp.load(state, path, step, no_dist=True)
     return flat({"model": state["model"], "optim": state["optim"]["state"]})
@@ -604,7 +596,7 @@ def test_dcp_delta_saves_survive_gc_of_the_checkpoints_that_hold_their_bases(tmp
     model, opt = trained_mlp()
     path, refs = str(tmp_path / "s"), {}
     for step in range(1, 5):
-        train_steps(model, opt, 2, seed=step)
+        train(model, opt, 2, seed=step)
         refs[step] = snapshot(model, opt)
         cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
                   chunk_size=CHUNK, delta=True, max_chain=3)
@@ -626,7 +618,7 @@ def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
     model, opt = trained_mlp()
     path, refs = str(tmp_path / "s"), {}
     for step in (1, 2, 3):
-        train_steps(model, opt, 2, seed=step)
+        train(model, opt, 2, seed=step)
         refs[step] = snapshot(model, opt)
         faults.configure("dcp.finish=raise" if step == 2 else "")
         try:
