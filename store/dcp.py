@@ -162,6 +162,8 @@ class _RankObjects:
         with self._lock:
             known = key in self._seen
             self._seen.add(key)
+        if base is not None and base[0] == key:  # unchanged, but its file must be rewritten: whole
+            base = None
         if not known and not self._reusable(key):
             if base is not None and base[1] is None:  # a chain root: decode its file here
                 base = self._decoded(base[0], view.nbytes)

@@ -692,3 +692,21 @@ def test_a_process_keeps_delta_bases_for_a_bounded_number_of_stores(tmp_path):
     for path in paths:
         cdcp.save({"w": torch.randn(128, 256)}, path, 1, no_dist=True, delta=True)
     assert [dcp_bases.cached(p) is not None for p in paths] == [False] * 2 + [True] * dcp_bases.MAX_STORES
+
+
+def test_an_unchanged_chunk_whose_file_is_damaged_is_rewritten_whole_not_as_a_delta_of_itself(tmp_path):
+    path = str(tmp_path / "s")
+    state = {"w": torch.randn(256, 256)}
+    cdcp.save(state, path, 1, no_dist=True, chunk_size=CHUNK, delta=True)
+    with cas.open(path) as store:
+        key = store.tensors(1)[0]["chunks"][0]
+        file = store.objects.files.path(key)
+    with open(file, "r+b") as f:  # damage the header, keep the size: the index still calls it stored
+        f.write(b"XXXX")
+    cdcp.save(state, path, 2, no_dist=True, chunk_size=CHUNK, delta=True)
+    with cas.open(path) as store:
+        assert store.objects.record(key).base is None
+        assert store.verify().ok  # the rewrite repaired it
+    target = {"w": torch.zeros(256, 256)}
+    cdcp.load(target, path, 1, no_dist=True)
+    assert same_bits(target["w"], state["w"])
