@@ -20,10 +20,11 @@ the torch.save files, and the delta store's bytes by part of the state; save thr
 logical bytes, each save timed to its durable return) with and without delta.
 
 On the every-10-steps series also: a delta store with delta_memory=0 (fp32: every base decoded
-from the store by the save's workers instead of kept in host memory), and restore time by chain depth (the deepest chunk of a checkpoint,
-from the index records of its chunk keys) in the delta store, restoring into preallocated tensors
-(store.restore, min of reps, warm page cache); the same against the delta=False store; and
-max_chain 1, 2, 4, 8, 16 side by side (stored bytes, deepest restore) to choose the default from data.
+from the store by the save's workers instead of kept in host memory); restore time by chain depth
+(the deepest chunk of a checkpoint, from the index records of its chunk keys) in the delta store,
+restoring into preallocated tensors (store.restore, min of reps, warm page cache); the same
+against the delta=False store; and max_chain 1, 2, 4, 8, 16 side by side (stored bytes, deepest
+restore) to choose the default from data.
 The issue's targets are printed next to the results.
 
 Run from the repository root (full: about 6-8 minutes, ~2 GiB RAM, ~12 GB of /tmp; needs
