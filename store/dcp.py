@@ -610,6 +610,10 @@ class CasWriter(StorageWriter):
                                workers=self.workers)
         deltas = None
         if self.delta:
+            if not dcp_bases.answers(plan.storage_data, self.step):
+                warnings.warn(f"cas: the DCP plan of step {self.step} carries no confirmation of this rank's delta "
+                              "bases (a plan cached by the planner, enable_plan_caching?): its chunks are written "
+                              "whole", stacklevel=2)
             objects.confirmed, roots = dcp_bases.confirmed(plan.storage_data, self.step)
             deltas = dcp_bases.RankDeltas(dcp_bases.cached(self.path), objects.confirmed, roots, self.max_chain)
             dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes

@@ -100,11 +100,16 @@ def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], obj
             ROOTS: roots_of(full) if full else {}}
 
 
+def answers(storage_data, step: int) -> bool:
+    """Whether a plan carries the coordinator's confirmation made for the save of `step`."""
+    return isinstance(storage_data, dict) and storage_data.get(FOR_STEP) == step
+
+
 def confirmed(storage_data, step: int) -> tuple[dict[bytes, int], dict[bytes, bytes]]:
     """The stored keys of this rank's proposal with their chain depths, and the roots of the full
     chains among them. Empty when the plan carries no confirmation for the save of `step` (a
     cached plan of an earlier save, say)."""
-    if not isinstance(storage_data, dict) or storage_data.get(FOR_STEP) != step:
+    if not answers(storage_data, step):
         return {}, {}
     keys, depths, roots = storage_data.get(PROPOSAL), storage_data.get(CONFIRMED), storage_data.get(ROOTS)
     if not isinstance(keys, list) or not isinstance(depths, bytes) or len(keys) != len(depths):

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -710,3 +711,22 @@ def test_an_unchanged_chunk_whose_file_is_damaged_is_rewritten_whole_not_as_a_de
     target = {"w": torch.zeros(256, 256)}
     cdcp.load(target, path, 1, no_dist=True)
     assert same_bits(target["w"], state["w"])
+
+
+def test_a_planner_that_caches_plans_gets_whole_chunks_and_a_warning(tmp_path):
+    """With enable_plan_caching DCP hands ranks an earlier save's plan, whose confirmation of the
+    delta bases is for another step: nothing is coded against them, and the user is told."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    torch.manual_seed(0)
+    w, path = torch.randn(512, 512), str(tmp_path / "s")
+    for step in (1, 2, 3):
+        w = w + 1e-4 * torch.randn_like(w)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True, planner=planner)
+        assert any("no confirmation" in str(x.message) for x in caught) == (step > 1), step
+    assert all(r.base is None for r in index_records(path).values())
+    target = {"w": torch.zeros(512, 512)}
+    cdcp.load(target, path, 3, no_dist=True)
+    assert same_bits(target["w"], w)
