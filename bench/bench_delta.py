@@ -367,7 +367,7 @@ def print_series(r: dict) -> None:
         cells = [f"{mb(st['bytes'][label])} {st['vs_torch'][label]:6.3f}x" if label in st["bytes"] else ""
                  for st in (fp32, bf16)]
         print(f"  {label:32} {cells[0]:>24} {cells[1]:>24}")
-    for label in (PLAIN, DELTA, READBACK):
+    for label in (x for x in (PLAIN, DELTA, READBACK) if x in fp32["save_gbps"] or x in bf16["save_gbps"]):
         cells = [f"{st['save_gbps'][label]:24.3f}" if label in st["save_gbps"] else f"{'':24}" for st in (fp32, bf16)]
         print(f"  save GB/s, {label:21} {cells[0]} {cells[1]}")
     print(f"  {'delta / no-delta save speed':32} {fp32['delta_speed']:24.3f} {bf16['delta_speed']:24.3f}")
