@@ -31,7 +31,7 @@ from .registry import Checkpoint, Registry, exists_error, step_key
 from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
-from .values import pack
+from .values import numpy_dtype, pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -126,7 +126,8 @@ class Store:
         self.delta = delta
         self.max_chain = max_chain
         self.delta_memory = delta_memory  # bytes of the last save kept for deltas; None: all of them
-        self._bases: dict[str, pipeline.BaseTensor] = {}  # the last save's floating tensors
+        # the last save's floating tensors; None until the first delta save of this open store
+        self._bases: dict[str, pipeline.BaseTensor] | None = None
         self._base_arena = StagingArena()
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
@@ -247,9 +248,25 @@ class Store:
         if not self.delta:
             return self._commit_job(job, {})
         with self._delta_lock:
+            if self._bases is None:
+                self._bases = self._latest_bases()
             ck = self._commit_job(job, self._bases)
             self._remember_bases(job.leaves)
             return ck
+
+    def _latest_bases(self) -> dict[str, pipeline.BaseTensor]:
+        """Bases for the first delta save after the store was opened (a resumed run): the chunk
+        keys of the latest checkpoint's floating-point tensors, with no bytes in memory; the
+        workers read them back from the store, as for delta_memory. Empty when there is none."""
+        latest = self.latest()
+        if latest is None:
+            return {}
+        try:
+            tensors = self._tensor_nodes(latest.step)
+        except CasError:  # a damaged manifest is verify's to report; this save is written whole
+            return {}
+        return {path: pipeline.BaseTensor(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), None)
+                for path, node in tensors if _floating_node(node) and node["nbytes"] >= DELTA_MIN_BYTES}
 
     def _remember_bases(self, leaves: list) -> None:
         """Remember this save's floating-point tensors: the next save codes its changed chunks
@@ -484,17 +501,21 @@ class Store:
 
     def tensors(self, step: int) -> list[dict]:
         """Per tensor of a checkpoint: path, dtype, shape, bytes, chunk keys (for `cas show`)."""
+        return [{"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
+                 "bytes": node["nbytes"], "chunks": node["chunks"]} for path, node in self._tensor_nodes(step)]
+
+    def _tensor_nodes(self, step: int) -> list[tuple[str, dict]]:
+        """(path, tensor node) of every tensor of a checkpoint, in state order."""
         self._check_open()
         ck = self._resolve(step)
-        out: list[dict] = []
+        out: list[tuple[str, dict]] = []
 
         def visit(ref: Ref, path: str):
             node = self._node(ref.key, ck.step, path)
             if node["k"] == "value":
                 walk_value(node["v"], visit, path)
             elif node["k"] == "tensor":
-                out.append({"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
-                            "bytes": node["nbytes"], "chunks": node["chunks"]})
+                out.append((path, node))
 
         root = self._node(ck.key, ck.step)["tree"]
         visit(root, "")
@@ -527,6 +548,13 @@ def _checked_metrics(metrics) -> dict:
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
         out[k] = float(v) if isinstance(v, float) else int(v)
     return out
+
+
+def _floating_node(node: dict) -> bool:
+    """Whether a (checked) tensor node holds a floating-point dtype."""
+    if node["lib"] == "torch":
+        return tensors.is_floating(tensors.torch_dtype(node["dtype"]))
+    return tensors.is_floating(numpy_dtype(node["dtype"]))
 
 
 def _checked_max_chain(max_chain) -> int:

@@ -315,3 +315,23 @@ def test_delta_memory_must_be_a_byte_count(tmp_path):
     for bad in (-1, 1.5, "1G"):
         with pytest.raises(cas.CasError, match="delta_memory"):
             cas.open(tmp_path / "s", delta=True, delta_memory=bad)
+
+
+def test_the_first_delta_save_after_reopening_codes_against_the_latest_checkpoint(tmp_path):
+    """A resumed run (a fresh process, nothing in memory) does not start its chains over: its
+    first save reads the latest checkpoint's chunks back as bases."""
+    torch.manual_seed(0)
+    w = {"w": torch.randn(256, 1024), "m": torch.randn(128, 1024).to(torch.bfloat16), "i": torch.arange(50000)}
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        first = store.save(w, step=1)
+        before = {k for t in store.tensors(1) for k in t["chunks"]}
+    w = {"w": w["w"] + 1e-4 * torch.randn_like(w["w"]), "m": (w["m"].float() + 1e-3).to(torch.bfloat16), "i": w["i"]}
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        second = store.save(w, step=2)
+        records = _records(store)
+        coded = {t["path"]: [records[k].base in before for k in t["chunks"]] for t in store.tensors(2)}
+        assert all(coded["w"]) and all(coded["m"]) and not any(coded["i"])
+        assert second.new_bytes < 0.7 * first.new_bytes
+        loaded = store.load(2)
+        assert all(loaded[k].view(torch.uint8).equal(v.view(torch.uint8)) for k, v in w.items())
+        assert store.verify().ok
