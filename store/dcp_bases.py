@@ -94,7 +94,7 @@ def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], obj
     if keys:
         claim(keys)
     depths = [depth_of(k) for k in keys]
-    full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain]
+    full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain] if max_chain > 0 else []
     return {FOR_STEP: step, PROPOSAL: keys,
             CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths),
             ROOTS: roots_of(full) if full else {}}
@@ -136,7 +136,7 @@ class RankDeltas:
             return None
         key = prev.keys[index]
         depth = self.stored.get(key)
-        if depth is None:
+        if depth is None or self.max_chain == 0:
             return None
         if depth >= self.max_chain:
             root = self.roots.get(key)

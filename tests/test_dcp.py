@@ -730,3 +730,15 @@ def test_a_planner_that_caches_plans_gets_whole_chunks_and_a_warning(tmp_path):
     target = {"w": torch.zeros(512, 512)}
     cdcp.load(target, path, 3, no_dist=True)
     assert same_bits(target["w"], w)
+
+
+def test_max_chain_zero_codes_no_dcp_deltas_not_even_against_roots(tmp_path):
+    torch.manual_seed(0)
+    w, path = torch.randn(512, 512), str(tmp_path / "s")
+    for step, max_chain in ((1, 2), (2, 2), (3, 0)):  # step 2 is a delta of 1; step 3 may not be one
+        w = w + 1e-4 * torch.randn_like(w)
+        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True, max_chain=max_chain)
+    with cas.open(path, readonly=True) as store:
+        third = store.tensors(3)[0]["chunks"]
+    records = index_records(path)
+    assert all(records[k].base is None for k in third)
