@@ -86,7 +86,7 @@ from cas.errors import CasError, CheckpointNotFoundError, CorruptionError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
 from cas.objects import FileObjects
-from cas.objectstore import WriteSession
+from cas.objectstore import MAX_CHAIN_DECODE, WriteSession
 
 from . import dcp_bases
 from . import layout as L
@@ -165,16 +165,26 @@ class _RankObjects:
         if base is not None and base[0] == key:  # unchanged, but its file must be rewritten: whole
             base = None
         if not known and not self._reusable(key):
-            if base is not None and base[1] is None:  # a chain root: decode its file here
+            if base is not None and base[1] is None:  # a chain root or a seeded base: decode its files
                 base = self._decoded(base[0], view.nbytes)
             self.files.put(key, self.codec.encode(view, group, base[:2] if base else None).parts)
         return key
 
     def _decoded(self, key: bytes, nbytes: int) -> tuple | None:
-        """(key, raw bytes, 0) of a full object file, hash-checked; None when it cannot be read
-        (the chunk is then stored whole; a damaged root is verify's to report)."""
+        """(key, raw bytes, 0) of an object, its chain of bases followed through the headers of
+        their files and every level hash-checked; None when that cannot be done (a base in a
+        pack, a damaged file: the chunk is then stored whole; damage is verify's to report)."""
         try:
-            return key, decode_into(self.files.get(key), key, pipeline.root_buffer(nbytes)), 0
+            chain, blobs = [key], [self.files.get(key)]
+            while (base := parse_header(blobs[-1], key=chain[-1]).base) is not None:
+                if len(chain) > MAX_CHAIN_DECODE:
+                    return None
+                chain.append(base)
+                blobs.append(self.files.get(base))
+            out = pipeline.root_buffer(nbytes)
+            for level, blob in zip(reversed(chain), reversed(blobs)):
+                decode_into(blob, level, out, out)
+            return key, out, 0
         except CasError:
             return None
 
@@ -443,6 +453,31 @@ class _PendingCommit:
                 self.store.close()
 
 
+def _latest_shards(store: Store) -> dict:
+    """MetadataIndex -> tensor node of every shard of the latest checkpoint, if a DCP save."""
+    try:
+        return read_manifest(store, store.path, None).shards
+    except CasError:  # none yet, not a DCP save, or damaged (verify's to report): nothing to seed
+        return {}
+
+
+def _seed(shards: dict, plan: SavePlan) -> dict:
+    """{shard id: (skew, nbytes, chunk keys)} of the stored shards that this plan's floating-point
+    tensor items match exactly (same name, offsets, sizes and dtype): a restarted rank's bases."""
+    out = {}
+    for item in plan.items:
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None or not T.is_floating(td.properties.dtype):
+            continue
+        node = shards.get(MetadataIndex(item.index.fqn, td.chunk.offsets))
+        if node is None or node["shape"] != list(td.chunk.sizes) or node["nbytes"] < DELTA_MIN_BYTES \
+                or T.torch_dtype(node["dtype"]) != td.properties.dtype:
+            continue
+        shard = dcp_bases.shard_id(item.index.fqn, td.chunk.offsets, td.chunk.sizes, td.properties.dtype)
+        out[shard] = (node["skew"], node["nbytes"], list(node["chunks"]))
+    return out
+
+
 def _readable_roots(session: WriteSession, keys: list[bytes]) -> dict[bytes, bytes]:
     """The roots of the chains of `keys` that ranks can read (full objects in files of their
     own: ranks cannot locate an object inside a pack), held by the session."""
@@ -599,9 +634,11 @@ class CasWriter(StorageWriter):
         if not self.delta or self._pending is None:
             return plans
         session = self._pending.session
+        latest = functools.cache(functools.partial(_latest_shards, self._pending.store))
         return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(
                     plan.storage_data, self.step, self.max_chain, session.claim, session.depth,
-                    functools.partial(_readable_roots, session))) for plan in plans]
+                    functools.partial(_readable_roots, session), lambda plan=plan: _seed(latest(), plan)))
+                for plan in plans]
 
     # -- every rank --
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -615,7 +652,9 @@ class CasWriter(StorageWriter):
                               "bases (a plan cached by the planner, enable_plan_caching?): its chunks are written "
                               "whole", stacklevel=2)
             objects.confirmed, roots = dcp_bases.confirmed(plan.storage_data, self.step)
-            deltas = dcp_bases.RankDeltas(dcp_bases.cached(self.path), objects.confirmed, roots, self.max_chain)
+            # the coordinator seeds a rank whose own cache it could not confirm (a restart, a failed save)
+            previous = dcp_bases.seeded_cache(plan.storage_data) or dcp_bases.cached(self.path)
+            deltas = dcp_bases.RankDeltas(previous, objects.confirmed, roots, self.max_chain)
             dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes
         results = write_rank_items(plan, planner, objects, deltas)
         objects.sync()

@@ -10,7 +10,9 @@ stored. The protocol therefore goes through DCP's planning round trip:
   2. prepare_global_plan, coordinator: claims those keys in its barrier session, which holds them
      (no gc sweeps them until the commit) and says which are stored; each plan goes back with
      the chain depth of each stored key, or NOT_STORED, and for keys whose chain is full the
-     chain's root, when ranks can read it (held too) (`confirm`).
+     chain's root, when ranks can read it (held too) (`confirm`). A rank none of whose keys is
+     stored (restarted: it proposes none; or its last save failed) is seeded with the chunk keys
+     of the latest checkpoint's shards matching its plan (`seeded_cache`), read back from files.
   3. write_data, every rank: a confirmed base whose chain is shorter than max_chain is used,
      else the chain's root, decoded from its file (`RankDeltas.base`); the chunk's delta object
      names its base, which the coordinator indexes as a base edge when it adopts the file.
@@ -35,15 +37,18 @@ PROPOSAL = "cas_bases"
 CONFIRMED = "cas_base_depths"
 FOR_STEP = "cas_step"
 ROOTS = "cas_base_roots"
+SEED = "cas_base_seed"
 
 
 @dataclass
 class ShardBase:
-    """One shard's bytes at the rank's last save, and its chunk keys."""
+    """One shard's bytes at the rank's last save, and its chunk keys. `data` is None for a shard
+    seeded from the latest checkpoint (a restarted rank): its bases are read back from files."""
 
-    data: np.ndarray
+    data: np.ndarray | None
     skew: int
     keys: list
+    nbytes: int
 
 
 @dataclass
@@ -84,20 +89,38 @@ def proposal(path: str) -> dict:
 
 def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], object],
             depth_of: Callable[[bytes], int | None],
-            roots_of: Callable[[list], dict[bytes, bytes]]) -> dict:
+            roots_of: Callable[[list], dict[bytes, bytes]], seed: Callable[[], dict] = dict) -> dict:
     """The coordinator's answer to one rank's proposal: `claim(keys)` holds the keys (gc keeps
     them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
     depth, None for one that is not stored. For keys whose chain is full, `roots_of` gives the
-    chain roots a rank may code against instead (held too), as Store.save does."""
+    chain roots a rank may code against instead (held too), as Store.save does. A rank none of
+    whose proposals is stored (a restarted process proposes nothing; a failed save's chunks were
+    never committed) gets `seed()` instead: {shard id: (skew, nbytes, chunk keys)} of the latest
+    checkpoint's shards that match its plan, whose keys are confirmed alike."""
     keys = storage_data.get(PROPOSAL) if isinstance(storage_data, dict) else None
     keys = [k for k in keys if isinstance(k, bytes)] if isinstance(keys, list) else []
     if keys:
         claim(keys)
     depths = [depth_of(k) for k in keys]
+    seeded = {}
+    if all(d is None for d in depths):
+        seeded = seed()
+        keys = list(dict.fromkeys(k for _, _, chunks in seeded.values() for k in chunks))
+        if keys:
+            claim(keys)
+        depths = [depth_of(k) for k in keys]
     full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain] if max_chain > 0 else []
     return {FOR_STEP: step, PROPOSAL: keys,
             CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths),
-            ROOTS: roots_of(full) if full else {}}
+            ROOTS: roots_of(full) if full else {}, SEED: seeded}
+
+
+def seeded_cache(storage_data) -> Cache | None:
+    """The cache a restarted rank starts from: the seeded shards' keys, no bytes."""
+    seed = storage_data.get(SEED) if isinstance(storage_data, dict) else None
+    if not isinstance(seed, dict) or not seed:
+        return None
+    return Cache({sid: ShardBase(None, skew, list(chunks), nbytes) for sid, (skew, nbytes, chunks) in seed.items()})
 
 
 def answers(storage_data, step: int) -> bool:
@@ -132,7 +155,7 @@ class RankDeltas:
         and its chain is shorter than max_chain; (root key, None, 0) when the chain is full and
         its root can be read (the caller decodes it); else None."""
         prev = self.previous.shards.get(shard) if self.previous is not None and shard is not None else None
-        if prev is None or prev.skew != skew or prev.data.size != nbytes or index >= len(prev.keys):
+        if prev is None or prev.skew != skew or prev.nbytes != nbytes or index >= len(prev.keys):
             return None
         key = prev.keys[index]
         depth = self.stored.get(key)
@@ -141,12 +164,13 @@ class RankDeltas:
         if depth >= self.max_chain:
             root = self.roots.get(key)
             return (root, None, 0) if isinstance(root, bytes) else None
-        return key, prev.data[start:end], depth
+        return key, None if prev.data is None else prev.data[start:end], depth
 
     def keep(self, shard, data: np.ndarray, skew: int, keys: list) -> None:
         """Remember a shard just written, for the next save. The previous save's buffer of the
         same shard is reused: only this shard's own chunks were coded against it."""
         prev = self.previous.shards.get(shard) if self.previous is not None else None
-        buf = prev.data if prev is not None and prev.data.size == data.size else np.empty(data.size, dtype=np.uint8)
+        reuse = prev is not None and prev.data is not None and prev.data.size == data.size
+        buf = prev.data if reuse else np.empty(data.size, dtype=np.uint8)
         np.copyto(buf, data)
-        self.current.shards[shard] = ShardBase(buf, skew, list(keys))
+        self.current.shards[shard] = ShardBase(buf, skew, list(keys), data.size)

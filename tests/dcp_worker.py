@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import cas
 from cas import faults
 from cas.store import dcp as cdcp
+from cas.store import dcp_bases
 
 warnings.filterwarnings("ignore")
 CHUNK = 64 << 10
@@ -254,14 +255,17 @@ def small_state_plain(seed: int) -> dict:
 
 
 def scenario_delta(store: str, out: str, rank: int, world: int, res: Report) -> None:
-    """Delta saves of an FSDP2 model and AdamW (small lr, one step between saves), steps 1-4 at
-    max_chain 2, with a gathered reference of each state."""
+    """Delta saves of an FSDP2 model and AdamW (small lr, one step between saves), steps 1-5 at
+    max_chain 2, with a gathered reference of each state; before step 5 every rank forgets its
+    bases, as a restarted job would."""
     model, _ = sharded_model(world, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     results = {}
-    for step in range(1, 5):
+    for step in range(1, 6):
         train(model, opt, 1, seed=10 + step)
         write_reference(model, opt, rank, out, f"delta{step}")
+        if step == 5:  # as if every rank had restarted: no bases in memory
+            dcp_bases.replace(os.path.abspath(store), None)
         results[str(step)] = saved(cdcp.save(dcp_state(model, opt, EXTRA), store, step, chunk_size=CHUNK,
                                              delta=True, max_chain=2))
     res["saved"] = results

@@ -545,17 +545,17 @@ def index_records(path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def delta_group(tmp_path_factory) -> Group:
-    """2 ranks, FSDP2 + AdamW lr 1e-4, delta saves of steps 1-4 at max_chain 2."""
+    """2 ranks, FSDP2 + AdamW lr 1e-4, delta saves of steps 1-5 at max_chain 2 (5 after a restart)."""
     base = tmp_path_factory.mktemp("dcp_delta")
     return require_ok(run_group("delta", 2, base / "store", base / "out"))
 
 
 def test_two_rank_delta_saves_restore_every_step_bit_for_bit(delta_group):
     r0, r1 = delta_group.ranks[0]["saved"], delta_group.ranks[1]["saved"]
-    assert all(r0[s]["id"] == r1[s]["id"] for s in ("1", "2", "3", "4"))
+    assert all(r0[s]["id"] == r1[s]["id"] for s in ("1", "2", "3", "4", "5"))
     with cas.open(delta_group.store, readonly=True) as store:
         assert store.verify().ok
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         ref = reference(delta_group, f"delta{step}")
         state, _ = load_plain(delta_group.store, step, ref)
         loaded = flat({"model": state["model"], "optim": {"state": state["optim"]["state"]}})
@@ -566,11 +566,14 @@ def test_two_rank_delta_saves_restore_every_step_bit_for_bit(delta_group):
     assert max(r.depth for r in records.values()) == 2  # 2 of 1, 3 of 2: max_chain 2
     assert all(r.base in records and r.depth == records[r.base].depth + 1 for r in deltas.values())
     with cas.open(delta_group.store, readonly=True) as store:
-        first, third, fourth = ({k for t in store.tensors(s) for k in t["chunks"]} for s in (1, 3, 4))
+        first, third, fourth, fifth = ({k for t in store.tensors(s) for k in t["chunks"]} for s in (1, 3, 4, 5))
     # where 3's chain is full, 4 is coded against its root (a step-1 chunk) at depth 1
     coded = [records[k] for k in fourth if records[k].base is not None]
     assert any(r.base in first and r.depth == 1 for r in coded)
     assert all(r.base in third or r.base in first for r in coded)
+    # 5 was saved by ranks that had forgotten their bases: the coordinator seeded them with 4's chunks
+    restarted = [records[k] for k in fifth if records[k].base is not None]
+    assert restarted and all(r.base in fourth for r in restarted)
     # one step apart, the weights' deltas pay (the moments, 2/3 of the bytes, little): ~10% smaller
     assert r0["2"]["new"] < 0.95 * r0["1"]["new"] and r0["4"]["new"] < 0.95 * r0["1"]["new"], r0
 
@@ -615,7 +618,7 @@ def test_dcp_delta_saves_survive_gc_of_the_checkpoints_that_hold_their_bases(tmp
 
 def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
     """Step 2 is written (and cached as the next bases) but its commit fails: step 3 must not be
-    coded against it (its files are there, unindexed, and gc sweeps them)."""
+    coded against it (its files are there, unindexed, and gc sweeps them), but against step 1."""
     model, opt = trained_mlp()
     path, refs = str(tmp_path / "s"), {}
     for step in (1, 2, 3):
@@ -643,8 +646,13 @@ def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
         store.gc()
         assert store.verify().ok and [ck.step for ck in store.checkpoints()] == [1, 3]
     records = index_records(path)
-    # step 3's cached bases were step 2's chunks: none confirmed, so step 3 is stored whole
-    assert not any(r.base is not None for r in records.values())
+    # step 3's cached bases were step 2's chunks: none confirmed, so the coordinator seeded it with
+    # the latest committed checkpoint's, step 1's
+    with cas.open(path, readonly=True) as store:
+        first_chunks = {k for t in store.tensors(1) for k in t["chunks"]}
+    coded = [r for r in records.values() if r.base is not None]
+    assert coded and all(r.base in first_chunks for r in coded)
+    assert not any(r.base in step2 for r in records.values())
     loaded = load_mlp(path, 3, refs[3])
     assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
 
@@ -742,3 +750,26 @@ def test_max_chain_zero_codes_no_dcp_deltas_not_even_against_roots(tmp_path):
         third = store.tensors(3)[0]["chunks"]
     records = index_records(path)
     assert all(records[k].base is None for k in third)
+
+
+def test_a_restarted_rank_codes_its_first_save_against_the_latest_checkpoint(tmp_path):
+    """A fresh process has no bases in memory: the coordinator seeds it with the chunks of the
+    latest checkpoint's matching shards, which the rank reads back from their files (chains too)."""
+    from cas.store import dcp_bases
+    model, opt = trained_mlp()
+    path, refs = str(tmp_path / "s"), {}
+    for step in (1, 2, 3):
+        train(model, opt, 2, seed=step)
+        refs[step] = snapshot(model, opt)
+        if step == 3:
+            dcp_bases.replace(path, None)  # the process restarted
+        cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
+                  chunk_size=CHUNK, delta=True, max_chain=3)
+    records = index_records(path)
+    with cas.open(path, readonly=True) as store:
+        second, third = ({k for t in store.tensors(s) for k in t["chunks"]} for s in (2, 3))
+        assert store.verify().ok
+    coded = [records[k] for k in third if records[k].base is not None]
+    assert coded and all(r.base in second and r.depth == 2 for r in coded)  # step 2 is a delta itself
+    loaded = load_mlp(path, 3, refs[3])
+    assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
