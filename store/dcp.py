@@ -93,7 +93,8 @@ from . import layout as L
 from . import pipeline
 from . import tensors as T
 from .registry import Checkpoint, exists_error
-from .store import DEFAULT_MAX_CHAIN, DELTA_MIN_BYTES, Store, _checked_max_chain, _checked_meta, _checked_metrics
+from .store import (DEFAULT_MAX_CHAIN, DELTA_MIN_BYTES, Store, _checked_delta_memory, _checked_max_chain, _checked_meta,
+                    _checked_metrics)
 from .tree import Ref, TensorLeaf, chunk_spans, commit_node, parse_node
 from .values import pack, unpack
 
@@ -533,15 +534,16 @@ class CasWriter(StorageWriter):
 
     Options: milestone, metrics, meta (as Store.save); chunk_size (only when the store is
     created here); compress, compression_level; workers (hashing and encoding threads per rank);
-    delta, max_chain (as cas.open: each rank codes changed floating-point chunks against its own
-    previous save, which it keeps in host memory; see store/dcp_bases.py).
+    delta, max_chain, delta_memory (as cas.open: each rank codes changed floating-point chunks
+    against its own previous save, which it keeps in host memory up to delta_memory bytes and
+    reads back from the store's files beyond; see store/dcp_bases.py).
     After a failed direct dcp.save, call abort() or drop the writer to end its barrier lease.
     """
 
     def __init__(self, path: str | os.PathLike | Store, *, step: int, milestone: bool = False,
                  metrics: dict | None = None, meta: dict | None = None, chunk_size: int | None = None,
                  compress: bool = True, compression_level: int = 1, workers: int | None = None,
-                 delta: bool = False, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+                 delta: bool = False, max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         super().__init__()
         if type(step) is not int:
             raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
@@ -558,6 +560,7 @@ class CasWriter(StorageWriter):
         self.workers = workers or min(os.cpu_count() or 2, 8)
         self.delta = bool(delta)
         self.max_chain = _checked_max_chain(max_chain)
+        self.delta_memory = _checked_delta_memory(delta_memory)
         self.is_coordinator = False
         self.checkpoint: Checkpoint | None = None  # on the coordinator, once committed
         self._pending: _PendingCommit | None = None
@@ -654,7 +657,7 @@ class CasWriter(StorageWriter):
             objects.confirmed, roots = dcp_bases.confirmed(plan.storage_data, self.step)
             # the coordinator seeds a rank whose own cache it could not confirm (a restart, a failed save)
             previous = dcp_bases.seeded_cache(plan.storage_data) or dcp_bases.cached(self.path)
-            deltas = dcp_bases.RankDeltas(previous, objects.confirmed, roots, self.max_chain)
+            deltas = dcp_bases.RankDeltas(previous, objects.confirmed, roots, self.max_chain, self.delta_memory)
             dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes
         results = write_rank_items(plan, planner, objects, deltas)
         objects.sync()

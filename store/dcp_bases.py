@@ -148,7 +148,9 @@ class RankDeltas:
     stored: dict  # confirmed key -> chain depth
     roots: dict  # confirmed key whose chain is full -> its chain's root (a full object file)
     max_chain: int
+    memory: int | None = None  # bytes of this save kept for the next; None: all (CasWriter's delta_memory)
     current: Cache = field(default_factory=Cache)
+    kept_bytes: int = 0
 
     def base(self, shard, skew: int, nbytes: int, index: int, start: int, end: int) -> tuple | None:
         """(key, bytes, depth) of the previous save's chunk at this position, when it is stored
@@ -167,8 +169,14 @@ class RankDeltas:
         return key, None if prev.data is None else prev.data[start:end], depth
 
     def keep(self, shard, data: np.ndarray, skew: int, keys: list) -> None:
-        """Remember a shard just written, for the next save. The previous save's buffer of the
-        same shard is reused: only this shard's own chunks were coded against it."""
+        """Remember a shard just written, for the next save: its bytes while they fit in
+        `memory` (in plan order), else only its keys (the next save reads those bases back from
+        their files). The previous save's buffer of the same shard is reused: only this shard's
+        own chunks were coded against it."""
+        if self.memory is not None and self.kept_bytes + data.size > self.memory:
+            self.current.shards[shard] = ShardBase(None, skew, list(keys), data.size)
+            return
+        self.kept_bytes += data.size
         prev = self.previous.shards.get(shard) if self.previous is not None else None
         reuse = prev is not None and prev.data is not None and prev.data.size == data.size
         buf = prev.data if reuse else np.empty(data.size, dtype=np.uint8)

@@ -92,8 +92,7 @@ class Store:
                  pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
                  max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         _checked_max_chain(max_chain)
-        if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
-            raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
+        _checked_delta_memory(delta_memory)
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -561,6 +560,12 @@ def _checked_max_chain(max_chain) -> int:
     if type(max_chain) is not int or not 0 <= max_chain <= 255:
         raise CasError(f"max_chain must be an int from 0 to 255, got {max_chain!r}")
     return max_chain
+
+
+def _checked_delta_memory(delta_memory) -> int | None:
+    if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
+        raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
+    return delta_memory
 
 
 def _checked_meta(meta) -> dict:

@@ -773,3 +773,26 @@ def test_a_restarted_rank_codes_its_first_save_against_the_latest_checkpoint(tmp
     assert coded and all(r.base in second and r.depth == 2 for r in coded)  # step 2 is a delta itself
     loaded = load_mlp(path, 3, refs[3])
     assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
+
+
+def test_dcp_delta_memory_keeps_keys_only_and_reads_bases_back_from_files(tmp_path):
+    """delta_memory=0: a rank keeps no bytes of its last save; the same deltas come from bases
+    read back from the store's files."""
+    from cas.store import dcp_bases
+    sizes = {}
+    for memory in (None, 0):
+        model, opt = trained_mlp()
+        path, refs = str(tmp_path / f"s{memory}"), {}
+        for step in (1, 2, 3):
+            train(model, opt, 2, seed=step)
+            refs[step] = snapshot(model, opt)
+            cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
+                      chunk_size=CHUNK, delta=True, max_chain=3, delta_memory=memory)
+        cache = dcp_bases.cached(os.path.abspath(path))
+        assert all((shard.data is None) == (memory == 0) for shard in cache.shards.values())
+        records = index_records(path)
+        assert max(r.depth for r in records.values()) == 2
+        sizes[memory] = sum(r.stored_size for r in records.values())
+        loaded = load_mlp(path, 3, refs[3])
+        assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
+    assert abs(sizes[0] - sizes[None]) < 0.01 * sizes[None]
