@@ -462,14 +462,16 @@ def _latest_shards(store: Store) -> dict:
         return {}
 
 
-def _seed(shards: dict, plan: SavePlan) -> dict:
+def _seed(latest_shards, plan: SavePlan) -> dict:
     """{shard id: (skew, nbytes, chunk keys)} of the stored shards that this plan's floating-point
-    tensor items match exactly (same name, offsets, sizes and dtype): a restarted rank's bases."""
+    tensor items match exactly (same name, offsets, sizes and dtype): a restarted rank's bases.
+    `latest_shards()` reads the latest manifest, only for a plan that has such items."""
     out = {}
-    for item in plan.items:
+    items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None
+             and T.is_floating(item.tensor_data.properties.dtype)]
+    shards = latest_shards() if items else {}
+    for item in items:
         td = item.tensor_data
-        if item.type == WriteItemType.BYTE_IO or td is None or not T.is_floating(td.properties.dtype):
-            continue
         node = shards.get(MetadataIndex(item.index.fqn, td.chunk.offsets))
         if node is None or node["shape"] != list(td.chunk.sizes) or node["nbytes"] < DELTA_MIN_BYTES \
                 or T.torch_dtype(node["dtype"]) != td.properties.dtype:
@@ -640,7 +642,7 @@ class CasWriter(StorageWriter):
         latest = functools.cache(functools.partial(_latest_shards, self._pending.store))
         return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(
                     plan.storage_data, self.step, self.max_chain, session.claim, session.depth,
-                    functools.partial(_readable_roots, session), lambda plan=plan: _seed(latest(), plan)))
+                    functools.partial(_readable_roots, session), functools.partial(_seed, latest, plan)))
                 for plan in plans]
 
     # -- every rank --
