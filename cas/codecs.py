@@ -21,8 +21,8 @@ from .errors import CorruptionError, FormatVersionError
 from .hashing import KEY_SIZE, hash_bytes, to_hex
 
 MAGIC = b"caso"
-OBJECT_FORMAT = 2  # 2: may use the `sub` stage; objects without it are still written as 1
-OBJECT_FORMATS = (1, 2)
+OBJECT_FORMAT = 3  # the newest written; each object is written with the oldest format that reads it
+OBJECT_FORMATS = (1, 2, 3)  # 2 introduced the `sub` stage, 3 the `linear` stage
 _HEADER = struct.Struct("<4sBBQ")  # magic, object format, number of stages, raw size
 _STAGE = struct.Struct("<BB")  # stage id, stage argument
 
@@ -31,8 +31,17 @@ STAGE_ZSTD = 2  # argument: the level it was written with (informational)
 STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows. Read only: stores made
 #                before `sub` hold such deltas; new deltas are `sub`, smaller on every kind measured
 STAGE_SUB = 4  # argument: element size; zigzag(raw - base) per element; the base key follows
-STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor", STAGE_SUB: "sub"}
-DELTA_STAGES = (STAGE_XOR, STAGE_SUB)
+STAGE_LINEAR = 5  # argument: element size; zigzag(raw - prediction), the prediction extrapolating
+#                   the base's own delta: base + ((base - base's base) >> shift). Base key, then shift
+STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor", STAGE_SUB: "sub",
+               STAGE_LINEAR: "linear"}
+STAGE_FORMAT = {STAGE_SUB: 2, STAGE_LINEAR: 3}  # the object format that introduced a stage (else 1)
+DELTA_STAGES = (STAGE_XOR, STAGE_SUB, STAGE_LINEAR)
+# Extrapolation steps tried per chunk (1: the base moved as much again; 1/2: half as much). Measured
+# on the delta bench's AdamW series (bench/bench_delta.py states, chains of 4): fp32 state 0.724 ->
+# 0.719 of raw, bf16 weights 0.455 -> 0.448; further fractions or 1.5 gained nothing.
+LINEAR_SHIFTS = (0, 1)
+MAX_LINEAR_SHIFT = 7
 DELTA_MARGIN = 0.9  # a delta is kept only when its sample codes to under 90% of the plain sample
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -137,6 +146,26 @@ def undo_sub_delta(delta: np.ndarray, base: np.ndarray, element_size: int, out: 
     return out
 
 
+def motion_of(raw: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
+    """raw - base per element, as wrapping integers: how far an object moved from its base. With
+    the motion of a delta's base, the next checkpoint's chunk is predicted by `linear_prediction`."""
+    u = _UNSIGNED[element_size]
+    np.subtract(raw.view(u), base.view(u), out=out.view(u))
+    return out
+
+
+def linear_prediction(base: np.ndarray, motion: np.ndarray, element_size: int, shift: int,
+                      out: np.ndarray) -> np.ndarray:
+    """base + (motion >> shift) per element, as wrapping signed integers (`>>` arithmetic): the
+    base moved by `motion` since its own base, and is predicted to move as much again (shift 0)
+    or half as much (1). Training moves weights smoothly, so the raw bytes sit closer to this
+    than to the base. `out` may be `motion`."""
+    i = _SIGNED[element_size]
+    step = np.right_shift(motion.view(i), shift, out=out.view(i)) if shift else motion.view(i)
+    np.add(step, base.view(i), out=out.view(i))
+    return out
+
+
 @dataclass(frozen=True)
 class Encoded:
     """An encoded object: [header, payload] parts (written without concatenating), and the key
@@ -157,11 +186,14 @@ class CodecPolicy:
     compress: bool = True
     level: int = 1  # measured: after byte grouping level 3 is no smaller and 1.3-1.9x slower
 
-    def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None) -> Encoded:
+    def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None,
+               below: np.ndarray | None = None) -> Encoded:
         """Encode raw bytes. `element_size` > 1 asks for byte grouping (floating dtypes). With
         `base` = (key, raw bytes of the same size), the difference from it (`sub_delta`) is
-        coded instead when a sample says that is smaller by a margin. Raw storage when nothing
-        compresses."""
+        coded instead when a sample says that is smaller by a margin; with `below` too (the raw
+        bytes of the base's own delta base: the base must be a delta of exactly that), so may
+        the difference from a `linear_prediction`, whichever samples smallest. Raw storage
+        when nothing compresses."""
         view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
         n = view.size
         if not self.compress or n == 0:
@@ -170,13 +202,18 @@ class CodecPolicy:
         sampled = n > 2 * SAMPLE_BYTES
         plain_sample = self._sample_size(view, group) if sampled or base is not None else None
         if base is not None and base[1].size == n:
-            delta_sample = self._sample_size(view, group, base[1])
+            shift, delta_sample = self._best_prediction(view, group or 1, base[1], below)
             if delta_sample < DELTA_MARGIN * plain_sample:
-                delta = sub_delta(view, base[1], group or 1, _scratch(n, "delta"))
+                reference = base[1]
+                if shift is not None:
+                    motion = motion_of(base[1], below, group or 1, _scratch(n, "prediction"))
+                    reference = linear_prediction(base[1], motion, group or 1, shift, motion)
+                delta = sub_delta(view, reference, group or 1, _scratch(n, "delta"))
                 packed = self._pack(delta, group)
                 if len(packed) < n:
-                    stages = ((STAGE_SUB, group or 1),) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
-                    return Encoded([_header(n, stages, base[0]), packed], base[0])
+                    first = (STAGE_SUB, group or 1) if shift is None else (STAGE_LINEAR, group or 1)
+                    stages = (first,) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
+                    return Encoded([_header(n, stages, base[0], shift), packed], base[0])
         if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
             return Encoded([_header(n, ()), view])
         packed = self._pack(view, group)
@@ -190,13 +227,31 @@ class CodecPolicy:
             data = group_bytes(data, group, _scratch(data.size))
         return _zstd_c(self.level).compress(data)
 
-    def _sample_size(self, view: np.ndarray, group: int, base: np.ndarray | None = None) -> int:
-        """Compressed size of a SAMPLE_BYTES sample (as a delta from the base's when given):
-        SAMPLE_PIECES slices spread over the object, since one end of a tensor can differ from
-        the rest (an embedding's first rows are its most frequent tokens)."""
+    def _best_prediction(self, view: np.ndarray, element_size: int, base: np.ndarray,
+                         below: np.ndarray | None) -> tuple[int | None, int]:
+        """(shift, sample size) of the smallest-sampling reference: the base itself (shift None)
+        or, given the base's base, a linear prediction with each of LINEAR_SHIFTS."""
+        group = element_size if element_size > 1 else 0
+        base_sample = _spread_sample(base, element_size)
+        best = (None, self._sample_size(view, group, base_sample))
+        if below is not None and below.size == view.size:
+            motion = motion_of(base_sample, _spread_sample(below, element_size), element_size,
+                               np.empty_like(base_sample))
+            for shift in LINEAR_SHIFTS:
+                guess = linear_prediction(base_sample, motion, element_size, shift, np.empty_like(base_sample))
+                size = self._sample_size(view, group, guess)
+                if size < best[1]:
+                    best = (shift, size)
+        return best
+
+    def _sample_size(self, view: np.ndarray, group: int, reference: np.ndarray | None = None) -> int:
+        """Compressed size of a SAMPLE_BYTES sample (as a delta from `reference`, a sample of
+        the same spread, when given): SAMPLE_PIECES slices spread over the object, since one end
+        of a tensor can differ from the rest (an embedding's first rows are its most frequent
+        tokens)."""
         sample = _spread_sample(view, max(group, 1))
-        if base is not None:
-            sample = sub_delta(sample, _spread_sample(base, max(group, 1)), max(group, 1), np.empty_like(sample))
+        if reference is not None:
+            sample = sub_delta(sample, reference, max(group, 1), np.empty_like(sample))
         if group:
             sample = group_bytes(sample, group, np.empty(sample.size, dtype=np.uint8))
         return len(_zstd_c(self.level).compress(sample))
@@ -213,11 +268,12 @@ def _spread_sample(view: np.ndarray, element_size: int) -> np.ndarray:
     return np.concatenate([view[i * stride:i * stride + piece] for i in range(SAMPLE_PIECES)])
 
 
-def _header(raw_size: int, stages: tuple, base: bytes | None = None) -> bytes:
-    fmt = OBJECT_FORMAT if any(sid == STAGE_SUB for sid, _ in stages) else 1  # older readers read the rest
+def _header(raw_size: int, stages: tuple, base: bytes | None = None, shift: int | None = None) -> bytes:
+    fmt = max((STAGE_FORMAT.get(sid, 1) for sid, _ in stages), default=1)  # older readers read the rest
     head = _HEADER.pack(MAGIC, fmt, len(stages), raw_size)
     for sid, arg in stages:
         head += _STAGE.pack(sid, arg) + (base if sid in DELTA_STAGES else b"")
+        head += bytes([shift]) if sid == STAGE_LINEAR else b""
     return head
 
 
@@ -227,10 +283,17 @@ class Header:
     stages: tuple  # ((stage id, argument), ...) in encoding order
     payload_offset: int
     base: bytes | None = None  # the base object's key, for a delta
+    shift: int | None = None  # for a `linear` delta: the extrapolation is (base - base's base) >> shift
 
     @property
     def codec_name(self) -> str:
-        return "+".join(f"{STAGE_NAMES[s]}{a if s in (STAGE_BYTEGROUP, STAGE_SUB) else ''}" for s, a in self.stages) or "raw"
+        return "+".join(f"{STAGE_NAMES[s]}{a if s in (STAGE_BYTEGROUP, STAGE_SUB, STAGE_LINEAR) else ''}"
+                        for s, a in self.stages) or "raw"
+
+    @property
+    def needs_below(self) -> bool:
+        """Decoding needs the base's base too (a `linear` delta)."""
+        return self.shift is not None
 
 
 def parse_header(data, *, key: bytes | None = None) -> Header:
@@ -247,7 +310,7 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
     if nstages > MAX_STAGES or raw_size > MAX_OBJECT_RAW:
         raise CorruptionError(f"object header is implausible ({nstages} stages, {raw_size} raw bytes)", key=name)
     offset = _HEADER.size
-    stages, base = [], None
+    stages, base, shift = [], None, None
     for _ in range(nstages):
         if len(data) < offset + _STAGE.size:
             raise CorruptionError("object is truncated inside its header", key=name)
@@ -257,17 +320,23 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
             raise CorruptionError(f"object names unknown codec stage {sid}", key=name)
         if sid == STAGE_BYTEGROUP and (arg < 2 or raw_size % arg):
             raise CorruptionError(f"object has an invalid byte-group size {arg}", key=name)
-        if sid == STAGE_SUB and fmt < 2:
-            raise CorruptionError("object of format 1 names the sub stage, which format 2 introduced", key=name)
-        if sid == STAGE_SUB and (arg not in _UNSIGNED or raw_size % arg):
+        if fmt < STAGE_FORMAT.get(sid, 1):
+            raise CorruptionError(f"object of format {fmt} names the {STAGE_NAMES[sid]} stage, which format "
+                                  f"{STAGE_FORMAT[sid]} introduced", key=name)
+        if sid in (STAGE_SUB, STAGE_LINEAR) and (arg not in _UNSIGNED or raw_size % arg):
             raise CorruptionError(f"object has an invalid delta element size {arg}", key=name)
         if sid in DELTA_STAGES:
-            if base is not None or stages or len(data) < offset + KEY_SIZE:
+            if base is not None or stages or len(data) < offset + KEY_SIZE + (sid == STAGE_LINEAR):
                 raise CorruptionError("object has a malformed delta stage", key=name)
             base = bytes(data[offset:offset + KEY_SIZE])
             offset += KEY_SIZE
+            if sid == STAGE_LINEAR:
+                shift = data[offset]
+                offset += 1
+                if shift > MAX_LINEAR_SHIFT:
+                    raise CorruptionError(f"object has an invalid extrapolation shift {shift}", key=name)
         stages.append((sid, arg))
-    return Header(raw_size, tuple(stages), offset, base)
+    return Header(raw_size, tuple(stages), offset, base, shift)
 
 
 def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
@@ -289,11 +358,12 @@ def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
 
 
 def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarray | None = None, *,
-                verify: bool = True) -> np.ndarray:
+                below: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
     and check the result's blake3 against `key` (unless verify=False: for the lower levels of a
     delta chain, whose errors the top's check catches). A delta needs `base`, the raw bytes of
-    its base object; `base` may be `out` itself, then the delta is applied in place. Raises
+    its base object, and a `linear` delta also `below`, the raw bytes of the base's base; `out`
+    may be `base` or `below` itself (a chain is decoded in one or two buffers). Raises
     CorruptionError, never returns bad data."""
     name = to_hex(key)
     head = parse_header(data, key=key)
@@ -309,6 +379,9 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarra
         if base.size != head.raw_size:
             raise CorruptionError(f"delta base {to_hex(head.base)} has {base.size} bytes, not {head.raw_size}",
                                   key=name)
+        if head.needs_below and (below is None or below.size != head.raw_size):
+            raise CorruptionError(f"object extrapolates from delta base {to_hex(head.base)}, whose own base is "
+                                  f"not available here (is that base a full object?)", key=name)
     # a delta's payload goes to a scratch buffer first: `out` may hold its base
     target = _scratch(head.raw_size, "delta") if delta is not None else out
     try:
@@ -318,7 +391,11 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarra
     if delta is not None and delta[0] == STAGE_XOR:
         np.bitwise_xor(target, base, out=out)
     elif delta is not None:
-        undo_sub_delta(target, base, delta[1], out)
+        reference = base
+        if head.needs_below:
+            guess = motion_of(base, below, delta[1], _scratch(head.raw_size, "prediction"))
+            reference = linear_prediction(base, guess, delta[1], head.shift, guess)
+        undo_sub_delta(target, reference, delta[1], out)
     if verify and hash_bytes(out) != key:
         raise CorruptionError("object content does not match its hash", key=name)
     return out

@@ -54,6 +54,64 @@ def _walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) ->
     return chain
 
 
+def _level_buffer(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for the second of the two buffers a chain is decoded in."""
+    buf = getattr(_local, "level", None)
+    if buf is None or buf.size < nbytes:
+        buf = _local.level = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.ndarray | None = None, *,
+                 verify: bool = True, check_each: bool = False,
+                 decoded: dict[bytes, np.ndarray] | None = None) -> np.ndarray:
+    """Decode chain[0] from the bottom of its chain ([key, its base, ...]; `fetch(key)` gives
+    encoded bytes) up, starting from the highest level found in `decoded`. Levels alternate
+    between `out` and a per-thread buffer, the top landing in `out`: each level reads its base
+    from one and overwrites the other, which holds its base's base (a `linear` delta reads
+    both). Afterwards the per-thread buffer holds chain[1]'s bytes (`last_below`). Only the top is hash-checked unless `check_each` (a wrong lower level makes a wrong
+    top, which its check refuses); a level's failure is reported against the top's key."""
+    decoded = decoded or {}
+    top = chain[0]
+    start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain) - 1)
+    from_decoded = chain[start] in decoded and start > 0
+    bufs: list = [out, None]
+    if from_decoded:
+        size = decoded[chain[start]].size
+        bufs = [np.empty(size, dtype=np.uint8) if out is None else out, _level_buffer(size)]
+        bufs[start % 2][:] = decoded[chain[start]]
+    for i in reversed(range(start if from_decoded else start + 1)):
+        key, expected_base = chain[i], chain[i + 1] if i + 1 < len(chain) else None
+        try:
+            data = fetch(key)
+            head = parse_header(data, key=key)
+            if head.base != expected_base:
+                raise CorruptionError(f"object names delta base {head.base.hex() if head.base else None}, the "
+                                      f"index {expected_base.hex() if expected_base else None}", key=key.hex())
+            if head.needs_below and from_decoded and i + 2 > start:  # its base's base was never decoded here
+                return decode_chain(chain, fetch, out, verify=verify, check_each=check_each)
+            if bufs[0] is None:
+                bufs[0] = np.empty(head.raw_size, dtype=np.uint8)
+            if bufs[1] is None and len(chain) > 1:
+                bufs[1] = _level_buffer(bufs[0].size)
+            target = bufs[i % 2]
+            decode_into(data, key, target, bufs[(i + 1) % 2] if expected_base else None,
+                        below=target if head.needs_below and i + 2 < len(chain) else None,
+                        verify=check_each or (i == 0 and verify))
+        except CorruptionError as exc:
+            if i == 0:
+                raise
+            raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
+                                  key=top.hex()) from None
+    return bufs[0]
+
+
+def last_below(nbytes: int) -> np.ndarray:
+    """After decode_chain of a chain of two levels or more on this thread: the raw bytes of the
+    decoded object's base (chain[1]), in the per-thread buffer (valid until the next decode)."""
+    return _level_buffer(nbytes)
+
+
 class ObjectStore:
     def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
                  pack_max: int = DEFAULT_PACK_MAX) -> None:
@@ -125,27 +183,7 @@ class ObjectStore:
 
     def _decode_chain(self, chain: list[bytes], out: np.ndarray | None, *, verify: bool,
                       check_each: bool, decoded: dict[bytes, np.ndarray]) -> np.ndarray:
-        top = chain[0]
-        start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain))
-        if start < len(chain):
-            out = np.empty(decoded[chain[start]].size, dtype=np.uint8) if out is None else out
-            out[:] = decoded[chain[start]]
-        for i in reversed(range(start)):
-            key, expected_base = chain[i], chain[i + 1] if i + 1 < len(chain) else None
-            try:
-                data = self.fetch(key)
-                named = parse_header(data, key=key).base
-                if named != expected_base:
-                    raise CorruptionError(f"object names delta base {named.hex() if named else None}, the index "
-                                          f"{expected_base.hex() if expected_base else None}", key=key.hex())
-                out = decode_into(data, key, out, out if expected_base else None,
-                                  verify=check_each or (i == 0 and verify))
-            except CorruptionError as exc:
-                if i == 0:
-                    raise
-                raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
-                                      key=top.hex()) from None
-        return out
+        return decode_chain(chain, self.fetch, out, verify=verify, check_each=check_each, decoded=decoded)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name
@@ -209,6 +247,18 @@ class WriteSession:
             rec = self._written.get(key) or self._records.get(key)
         return rec.depth if rec is not None else None
 
+    def base_of(self, key: bytes) -> bytes | None:
+        """The delta base of an object this session claimed or wrote (None: a full object or
+        not stored)."""
+        with self._lock:
+            rec = self._written.get(key) or self._records.get(key)
+        return rec.base if rec is not None else None
+
+    def delta_bases(self) -> dict[bytes, bytes]:
+        """key -> base key of every delta this session wrote."""
+        with self._lock:
+            return {key: rec.base for key, rec in self._written.items() if rec.base is not None}
+
     def _is_stored(self, key: bytes, rec: ObjectRecord | None) -> bool:
         if rec is None:
             return False
@@ -220,8 +270,10 @@ class WriteSession:
     def write(self, key: bytes, raw, element_size: int = 1,
               base: tuple[bytes, np.ndarray, int] | None = None) -> int:
         """Encode and store one object (thread-safe); returns its encoded size. `base` =
-        (key, raw bytes, delta depth) of a stored object this one may be coded against."""
-        enc = self.store.codec.encode(raw, element_size, base[:2] if base else None)
+        (key, raw bytes, delta depth[, raw bytes of its own base, of which it is a delta]) of a
+        stored object this one may be coded against."""
+        below = base[3] if base is not None and len(base) > 3 else None
+        enc = self.store.codec.encode(raw, element_size, base[:2] if base else None, below)
         raw_size = memoryview(raw).nbytes
         depth = base[2] + 1 if enc.base else 0
         if enc.size <= self.store.pack_max:

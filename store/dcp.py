@@ -81,12 +81,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cas import faults
-from cas.codecs import CodecPolicy, decode_into, parse_header
+from cas.codecs import CodecPolicy, parse_header
 from cas.errors import CasError, CheckpointNotFoundError, CorruptionError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
 from cas.objects import FileObjects
-from cas.objectstore import MAX_CHAIN_DECODE, WriteSession
+from cas.objectstore import MAX_CHAIN_DECODE, WriteSession, decode_chain
 
 from . import dcp_bases
 from . import layout as L
@@ -182,10 +182,8 @@ class _RankObjects:
                     return None
                 chain.append(base)
                 blobs.append(self.files.get(base))
-            out = pipeline.root_buffer(nbytes)
-            for level, blob in zip(reversed(chain), reversed(blobs)):
-                decode_into(blob, level, out, out)
-            return key, out, 0
+            blob_of = dict(zip(chain, blobs))
+            return key, decode_chain(chain, blob_of.__getitem__, pipeline.root_buffer(nbytes), check_each=True), 0
         except CasError:
             return None
 

@@ -9,6 +9,7 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -20,7 +21,7 @@ import numpy as np
 from cas import faults
 from cas.errors import CorruptionError
 from cas.hashing import hash_bytes
-from cas.objectstore import ObjectStore, WriteSession
+from cas.objectstore import ObjectStore, WriteSession, last_below
 
 from .tree import TensorLeaf, chunk_spans
 
@@ -31,13 +32,17 @@ CLAIM_BATCH = 64  # chunks hashed, then claimed in one index transaction
 class BaseTensor:
     """The previous save's bytes and chunk keys of one tensor: what its chunks are coded against.
     `data` is None when only the keys were kept (Store's delta_memory): the bases are then
-    decoded from the store by the worker that codes the chunk."""
+    decoded from the store by the worker that codes the chunk. `below` holds, at the spans of
+    the chunks `below_keys` names (chunk index -> the key of that chunk's own delta base), the
+    bytes of those bases, from which `linear` deltas extrapolate."""
 
     nbytes: int
     chunk_size: int
     skew: int
     keys: list
     data: np.ndarray | None
+    below: np.ndarray | None = None
+    below_keys: dict = dataclasses.field(default_factory=dict)
 
     def matches(self, leaf: TensorLeaf) -> bool:
         return (self.nbytes, self.chunk_size, self.skew) == (leaf.nbytes, leaf.chunk_size, leaf.skew)
@@ -70,12 +75,15 @@ def batches(items: Iterable, nbytes: Callable[[object], int], max_bytes: int,
 
 
 def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.ndarray,
-             start: int) -> tuple[bytes, np.ndarray] | None:
-    """The previous save's chunk at the same position of the same tensor, if the layout matches."""
+             start: int) -> tuple | None:
+    """(key, bytes or None, (its own base's key, that base's bytes) or None) of the previous
+    save's chunk at the same position of the same tensor, if the layout matches."""
     base = bases.get(leaf.path)
     if base is None or not leaf.floating or not base.matches(leaf):
         return None
-    return base.keys[i], None if base.data is None else base.data[start:start + view.nbytes]
+    span = slice(start, start + view.nbytes)
+    below = (base.below_keys[i], base.below[span]) if i in base.below_keys and base.data is not None else None
+    return base.keys[i], None if base.data is None else base.data[span], below
 
 
 def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadPoolExecutor,
@@ -113,17 +121,19 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
 
 
 def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
-    """Per chunk to write, what it may be coded against: (key, raw bytes, depth) of the previous
-    save's chunk while its chain is shorter than `max_chain` (bytes None when only its key was
-    kept: the worker decodes it); once the chain is full, (key, None, 0) of the chain's root (a
-    full object, decoded by the worker), so a long chain ends in a delta against its root rather
-    than in a full copy; or None."""
+    """Per chunk to write, what it may be coded against: (key, raw bytes, depth, below) of the
+    previous save's chunk while its chain is shorter than `max_chain` (bytes None when only its
+    key was kept: the worker decodes it; below, the bytes of that chunk's own base, when they
+    were kept and the stored chunk is a delta of that base); once the chain is full, (key, None, 0, None) of the
+    chain's root (a full object, decoded by the worker), so a long chain ends in a delta against
+    its root rather than in a full copy; or None."""
     out: list = []
     full: dict[int, bytes] = {}  # position -> the previous chunk whose chain is full
     for n, (_, _, _, key, cand) in enumerate(todo):
         depth = session.depth(cand[0]) if cand is not None and cand[0] != key else None
         if depth is not None and depth < max_chain:
-            out.append((cand[0], cand[1], depth))
+            below = cand[2][1] if cand[2] is not None and session.base_of(cand[0]) == cand[2][0] else None
+            out.append((cand[0], cand[1], depth, below))
             continue
         out.append(None)
         if depth is not None and max_chain > 0:
@@ -133,17 +143,26 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
     if roots:  # held from here on, so no gc can take a root before the commit
         present = session.claim(list(roots.values()))
         for (n, root), ok in zip(roots.items(), present):
-            out[n] = (root, None, 0) if ok else None
+            out[n] = (root, None, 0, None) if ok else None
     return out
 
 
 def _write_chunk(session: WriteSession, key: bytes, view: np.ndarray, group: int, base: tuple | None) -> int:
     if base is not None and base[1] is None:  # a chain root, or a base whose bytes were not kept
         try:
-            base = (base[0], session.store.get(base[0], root_buffer(view.nbytes)), base[2])
+            base = decoded_base(session.store, base[0], view.nbytes, base[2])
         except CorruptionError:
             base = None  # a damaged base is verify's to report; this chunk is stored whole
     return session.write(key, view, group, base)
+
+
+def decoded_base(objects: ObjectStore, key: bytes, nbytes: int, depth: int) -> tuple:
+    """(key, raw bytes, depth, below) of a stored base decoded in this worker thread (into its
+    per-thread buffers); for a delta, `below` is its own base's bytes, which its decode passes
+    through anyway (a `linear` delta may extrapolate from the two)."""
+    chain = objects.chain(key)
+    raw = objects.get(key, root_buffer(nbytes), chain=chain)
+    return key, raw, depth, last_below(nbytes) if len(chain) > 1 else None
 
 
 _local = threading.local()

@@ -128,6 +128,7 @@ class Store:
         # the last save's floating tensors; None until the first delta save of this open store
         self._bases: dict[str, pipeline.BaseTensor] | None = None
         self._base_arena = StagingArena()
+        self._below_buffer: np.ndarray | None = None  # the bytes `linear` deltas extrapolate from
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
 
@@ -249,8 +250,9 @@ class Store:
         with self._delta_lock:
             if self._bases is None:
                 self._bases = self._latest_bases()
-            ck = self._commit_job(job, self._bases)
-            self._remember_bases(job.leaves)
+            written: dict[bytes, bytes] = {}
+            ck = self._commit_job(job, self._bases, written)
+            self._remember_bases(job.leaves, written)
             return ck
 
     def _latest_bases(self) -> dict[str, pipeline.BaseTensor]:
@@ -267,27 +269,63 @@ class Store:
         return {path: pipeline.BaseTensor(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), None)
                 for path, node in tensors if _floating_node(node) and node["nbytes"] >= DELTA_MIN_BYTES}
 
-    def _remember_bases(self, leaves: list) -> None:
+    def _remember_bases(self, leaves: list, written: dict[bytes, bytes]) -> None:
         """Remember this save's floating-point tensors: the next save codes its changed chunks
         against them (sub deltas). Their bytes are copied into a reused buffer up to
         `delta_memory` (in state order); of the rest only the chunk keys are kept, and the next
-        save's workers decode those bases from the store (bounded memory, a decode per chunk)."""
+        save's workers decode those bases from the store (bounded memory, a decode per chunk).
+        Within the same budget, the chunks this save wrote as deltas of the last save's kept
+        bytes keep those bytes too (`written`: key -> base key of each delta written): the next
+        save may extrapolate from the two (`linear` deltas)."""
         floating = [leaf for leaf in leaves if leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES]
-        budget = sum(leaf.nbytes for leaf in floating) if self.delta_memory is None else self.delta_memory
+        budget = sum(2 * leaf.nbytes for leaf in floating) if self.delta_memory is None else self.delta_memory
         kept, used = [], 0
         for leaf in floating:
             if used + leaf.nbytes <= budget:
                 kept.append(leaf)
                 used += leaf.nbytes
+        belows = self._keep_belows(kept, written, budget - used)
         self._bases = {}
         self._base_arena.stage(kept)
         copies = {id(leaf): leaf.staged for leaf in kept}
         self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
-                                                      copies.get(id(leaf))) for leaf in floating}
+                                                      copies.get(id(leaf)), *belows.get(id(leaf), (None, {})))
+                       for leaf in floating}
         for leaf in kept:
             leaf.staged = None
 
-    def _commit_job(self, job: "_SaveJob", bases: dict) -> Checkpoint:
+    def _keep_belows(self, kept: list, written: dict[bytes, bytes], budget: int) -> dict[int, tuple]:
+        """id(leaf) -> (bytes, {chunk index: base key}) of the last save's kept bytes of the
+        chunks of `kept` that this save wrote as deltas of them, copied (before the copies of
+        this save replace them) into a reused buffer while they fit in `budget`."""
+        old = self._bases or {}
+        plans, total = [], 0
+        for leaf in kept:
+            prev = old.get(leaf.path)
+            if prev is None or prev.data is None or not prev.matches(leaf) or total + leaf.nbytes > budget:
+                continue
+            moved = {i: prev.keys[i] for i, key in enumerate(leaf.chunks) if written.get(key) == prev.keys[i]}
+            if moved:
+                plans.append((leaf, prev, moved, total))
+                total += leaf.nbytes
+        if not plans:
+            self._below_buffer = None
+            return {}
+        if self._below_buffer is None or self._below_buffer.size < total:
+            self._below_buffer = None  # release the old one before allocating the larger one
+            self._below_buffer = np.empty(total, dtype=np.uint8)
+        out = {}
+        for leaf, prev, moved, offset in plans:
+            below = self._below_buffer[offset:offset + leaf.nbytes]
+            spans = list(pipeline.chunk_spans(leaf.nbytes, leaf.chunk_size, leaf.skew))
+            for i in moved:
+                below[spans[i][0]:spans[i][1]] = prev.data[spans[i][0]:spans[i][1]]
+            out[id(leaf)] = (below, moved)
+        return out
+
+    def _commit_job(self, job: "_SaveJob", bases: dict, written: dict | None = None) -> Checkpoint:
+        """Write and commit one save; `written`, when given, receives key -> base key of every
+        delta the save wrote."""
         with self.objects.session(f"save step {job.step}") as session:
             pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain,
                                    self._hash_pool)
@@ -310,6 +348,8 @@ class Store:
                 return ck
 
             ck = session.commit(finish)
+            if written is not None:
+                written.update(session.delta_bases())
         faults.point("save.committed")
         self._after_commit(ck)
         return ck

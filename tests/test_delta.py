@@ -335,3 +335,109 @@ def test_the_first_delta_save_after_reopening_codes_against_the_latest_checkpoin
         loaded = store.load(2)
         assert all(loaded[k].view(torch.uint8).equal(v.view(torch.uint8)) for k, v in w.items())
         assert store.verify().ok
+
+
+def _trajectory(steps: int, seed: int = 0, shape=(256, 1024)) -> list[torch.Tensor]:
+    """Weights moving like training with momentum: each step mostly repeats the last one's
+    motion (a drift of ~1e-3 of the weights' scale), plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g)
+    velocity = 1e-3 * torch.randn(shape, generator=g)
+    out = []
+    for _ in range(steps):
+        velocity = 0.95 * velocity + 5e-5 * torch.randn(shape, generator=g)
+        w = w + velocity
+        out.append(w.clone())
+    return out
+
+
+@pytest.mark.parametrize("memory", [None, 0])
+def test_steady_motion_is_coded_as_linear_deltas_smaller_than_plain_ones(tmp_path, memory):
+    """From the third save on, a chunk whose base is itself a delta is predicted by extrapolating
+    the base's own motion (`linear`): smaller than the plain difference, restored bit for bit,
+    whether the base's base was kept in memory (None) or read back (0)."""
+    states = _trajectory(6)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True, max_chain=4, delta_memory=memory) as store:
+        sizes = [store.save({"w": w, "h": w.to(torch.bfloat16)}, step=step).new_bytes
+                 for step, w in enumerate(states)]
+        codecs = {step: {store.objects.codec_of(k) for t in store.tensors(step) for k in t["chunks"]}
+                  for step in range(6)}
+        assert codecs[1] == {"sub4+bytegroup4+zstd", "sub2+bytegroup2+zstd"}
+        for step in (2, 3):
+            assert codecs[step] == {"linear4+bytegroup4+zstd", "linear2+bytegroup2+zstd"}
+            assert sizes[step] < 0.9 * sizes[1]
+        assert all(bytes(store.objects.fetch(k))[4] == 3 for k in store.tensors(2)[0]["chunks"])  # format 3
+        for step, w in enumerate(states):
+            loaded = store.load(step)
+            assert loaded["w"].equal(w) and loaded["h"].view(torch.uint8).equal(w.to(torch.bfloat16).view(torch.uint8))
+        usage = store.codec_usage()
+        assert usage["linear4+bytegroup4+zstd"]["max_depth"] == 4
+        store.gc(keep_last=1)  # the newest checkpoint's linear chain keeps every base it reads
+        assert store.verify().ok and store.load(5)["w"].equal(states[5])
+
+
+def test_linear_deltas_are_the_same_with_bases_in_memory_or_read_back(tmp_path):
+    states = _trajectory(5, seed=3)
+    stored = {}
+    for memory in (None, 0):
+        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta=True, delta_memory=memory) as store:
+            stored[memory] = [store.save({"w": w}, step=step).new_bytes for step, w in enumerate(states)]
+    assert stored[None] == stored[0]
+
+
+def test_a_failed_save_leaves_the_next_linear_delta_correct(tmp_path):
+    """The bytes a linear delta extrapolates from are replaced only once a save commits: after a
+    save that failed at its commit, the next one still predicts from what is stored."""
+    from cas import faults
+    states = _trajectory(5, seed=4)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+        for step in range(3):
+            store.save({"w": states[step]}, step=step)
+        faults.configure("commit.in_txn=raise")
+        try:
+            with pytest.raises(faults.InjectedFault):
+                store.save({"w": states[3]}, step=3)
+        finally:
+            faults.configure("")
+        store.save({"w": states[4]}, step=4)
+        assert {store.objects.codec_of(k) for k in store.tensors(4)[0]["chunks"]} == {"linear4+bytegroup4+zstd"}
+        assert store.load(4)["w"].equal(states[4])
+        assert store.verify().ok
+
+
+def test_a_linear_delta_over_a_base_shared_by_chunks_decodes_from_its_chain(tmp_path, monkeypatch):
+    """Two tensors equal for two saves (shared objects) then parting: both chunks extrapolate
+    from the one shared base. A load decodes that base once for both, but the linear level
+    above also needs the base's base, which it then decodes from the bottom of the chain."""
+    states = _trajectory(3, seed=5)
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+        store.save({"a": states[0], "b": states[0].clone()}, step=0)
+        store.save({"a": states[1], "b": states[1].clone()}, step=1)
+        a2, b2 = states[2], states[2] + 1e-7 * torch.sign(states[2])
+        store.save({"a": a2, "b": b2}, step=2)
+        assert {store.objects.codec_of(t["chunks"][0]) for t in store.tensors(2)} == {"linear4+bytegroup4+zstd"}
+        loaded = store.load(2)
+        assert loaded["a"].equal(a2) and loaded["b"].equal(b2)
+
+
+def test_a_linear_delta_needs_its_base_to_be_a_delta():
+    """A hostile or damaged header naming a full object as the base of a `linear` delta is
+    refused by name, never decoded against a made-up prediction."""
+    from cas.codecs import STAGE_LINEAR, parse_header
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, generator=g)
+    below, base, raw = ((w + k * 1e-4 * w.sign()).numpy().view(np.uint8).reshape(-1) for k in range(3))
+    enc = CodecPolicy().encode(raw, 4, (hash_bytes(base), base), below=below)
+    blob = b"".join(bytes(p) for p in enc.parts)
+    assert parse_header(blob).stages[0][0] == STAGE_LINEAR
+    with pytest.raises(cas.CorruptionError, match="own base is not available"):
+        decode_into(blob, hash_bytes(raw), None, base)
+    assert np.array_equal(decode_into(blob, hash_bytes(raw), None, base, below=below), raw)
+    bad_shift = bytearray(blob)
+    bad_shift[14 + 2 + 32] = 9  # magic 4, format 1, stages 1, size 8; stage 2; key 32; then the shift
+    with pytest.raises(cas.CorruptionError, match="shift"):
+        decode_into(bytes(bad_shift), hash_bytes(raw), None, base, below=below)
+    old_format = bytearray(blob)
+    old_format[4] = 2
+    with pytest.raises(cas.CorruptionError, match="format 3 introduced"):
+        decode_into(bytes(old_format), hash_bytes(raw), None, base, below=below)
