@@ -255,9 +255,12 @@ class WriteSession:
         return rec.base if rec is not None else None
 
     def delta_bases(self) -> dict[bytes, bytes]:
-        """key -> base key of every delta this session wrote."""
+        """key -> base key of every delta this session wrote (also those still waiting for their
+        pack)."""
         with self._lock:
-            return {key: rec.base for key, rec in self._written.items() if rec.base is not None}
+            out = {key: rec.base for key, rec in self._written.items() if rec.base is not None}
+            out.update((key, item[2]) for key, item in self._pending_small.items() if item[2] is not None)
+            return out
 
     def _is_stored(self, key: bytes, rec: ObjectRecord | None) -> bool:
         if rec is None:
