@@ -36,7 +36,7 @@ from .values import numpy_dtype, pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
-DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 0.5% of chains of 8 or 16, deepest restore 2x faster than 8
+DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
 DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
 
 
