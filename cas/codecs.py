@@ -32,7 +32,7 @@ STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows. Read on
 #                before `sub` hold such deltas; new deltas are `sub`, smaller on every kind measured
 STAGE_SUB = 4  # argument: element size; zigzag(raw - base) per element; the base key follows
 STAGE_LINEAR = 5  # argument: element size; zigzag(raw - prediction), the prediction extrapolating
-#                   the base's own delta: base + ((base - base's base) >> shift). Base key, then shift
+#                   the base's own delta (`linear_prediction`). The base key follows, then the shift
 STAGE_NAMES = {STAGE_BYTEGROUP: "bytegroup", STAGE_ZSTD: "zstd", STAGE_XOR: "xor", STAGE_SUB: "sub",
                STAGE_LINEAR: "linear"}
 STAGE_FORMAT = {STAGE_SUB: 2, STAGE_LINEAR: 3}  # the object format that introduced a stage (else 1)
@@ -291,7 +291,7 @@ class Header:
     stages: tuple  # ((stage id, argument), ...) in encoding order
     payload_offset: int
     base: bytes | None = None  # the base object's key, for a delta
-    shift: int | None = None  # for a `linear` delta: the extrapolation is (base - base's base) >> shift
+    shift: int | None = None  # for a `linear` delta: the base's motion is divided by 2**shift
 
     @property
     def codec_name(self) -> str:

@@ -69,8 +69,9 @@ def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.n
     encoded bytes) up, starting from the highest level found in `decoded`. Levels alternate
     between `out` and a per-thread buffer, the top landing in `out`: each level reads its base
     from one and overwrites the other, which holds its base's base (a `linear` delta reads
-    both). Afterwards the per-thread buffer holds chain[1]'s bytes (`last_below`). Only the top is hash-checked unless `check_each` (a wrong lower level makes a wrong
-    top, which its check refuses); a level's failure is reported against the top's key."""
+    both). Afterwards the per-thread buffer holds chain[1]'s bytes (`last_below`). Only the top
+    is hash-checked unless `check_each` (a wrong lower level makes a wrong top, which its check
+    refuses); a level's failure is reported against the top's key."""
     decoded = decoded or {}
     top = chain[0]
     start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain) - 1)

@@ -124,9 +124,9 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
     """Per chunk to write, what it may be coded against: (key, raw bytes, depth, below) of the
     previous save's chunk while its chain is shorter than `max_chain` (bytes None when only its
     key was kept: the worker decodes it; below, the bytes of that chunk's own base, when they
-    were kept and the stored chunk is a delta of that base); once the chain is full, (key, None, 0, None) of the
-    chain's root (a full object, decoded by the worker), so a long chain ends in a delta against
-    its root rather than in a full copy; or None."""
+    were kept and the stored chunk is still a delta of that base); once the chain is full,
+    (key, None, 0, None) of the chain's root (a full object, decoded by the worker), so a long
+    chain ends in a delta against its root rather than in a full copy; or None."""
     out: list = []
     full: dict[int, bytes] = {}  # position -> the previous chunk whose chain is full
     for n, (_, _, _, key, cand) in enumerate(todo):
