@@ -86,7 +86,7 @@ from cas.errors import CasError, CheckpointNotFoundError, CorruptionError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
 from cas.objects import FileObjects
-from cas.objectstore import MAX_CHAIN_DECODE, WriteSession, decode_chain
+from cas.objectstore import MAX_CHAIN_DECODE, WriteSession, decode_chain, last_below
 
 from . import dcp_bases
 from . import layout as L
@@ -151,6 +151,7 @@ class _RankObjects:
         self._seen: set[bytes] = set()
         self._lock = threading.Lock()
         self.confirmed: dict[bytes, int] = {}
+        self.written: dict[bytes, bytes] = {}  # key -> base key of each delta this rank wrote
 
     @property
     def chunk_size(self) -> int:
@@ -158,7 +159,9 @@ class _RankObjects:
 
     def put_chunk(self, view: np.ndarray, group: int, base: tuple | None = None) -> bytes:
         """Hash one chunk and store it unless its file exists; returns its key. `base` = (key,
-        bytes, depth) of a confirmed stored chunk it may be coded against as a delta."""
+        bytes, depth, below) of a confirmed stored chunk it may be coded against as a delta
+        (below: (its own base's key, that base's bytes), for a `linear` delta, used when the
+        stored chunk's header still names that base). Deltas written go to `written`."""
         key = hash_bytes(view)
         with self._lock:
             known = key in self._seen
@@ -166,15 +169,30 @@ class _RankObjects:
         if base is not None and base[0] == key:  # unchanged, but its file must be rewritten: whole
             base = None
         if not known and not self._reusable(key):
+            below = None
             if base is not None and base[1] is None:  # a chain root or a seeded base: decode its files
                 base = self._decoded(base[0], view.nbytes)
-            self.files.put(key, self.codec.encode(view, group, base[:2] if base else None).parts)
+                below = base[3] if base is not None else None
+            elif base is not None and base[3] is not None and self._header_base(base[0]) == base[3][0]:
+                below = base[3][1]
+            enc = self.codec.encode(view, group, base[:2] if base else None, below)
+            self.files.put(key, enc.parts)
+            if enc.base is not None:
+                with self._lock:
+                    self.written[key] = enc.base
         return key
 
+    def _header_base(self, key: bytes) -> bytes | None:
+        try:
+            return parse_header(self.files.head(key, HEADER_BYTES), key=key).base
+        except CasError:
+            return None
+
     def _decoded(self, key: bytes, nbytes: int) -> tuple | None:
-        """(key, raw bytes, 0) of an object, its chain of bases followed through the headers of
-        their files and every level hash-checked; None when that cannot be done (a base in a
-        pack, a damaged file: the chunk is then stored whole; damage is verify's to report)."""
+        """(key, raw bytes, 0, its base's raw bytes or None) of an object, its chain of bases
+        followed through the headers of their files and every level hash-checked; None when that
+        cannot be done (a base in a pack, a damaged file: the chunk is then stored whole; damage
+        is verify's to report)."""
         try:
             chain, blobs = [key], [self.files.get(key)]
             while (base := parse_header(blobs[-1], key=chain[-1]).base) is not None:
@@ -183,7 +201,8 @@ class _RankObjects:
                 chain.append(base)
                 blobs.append(self.files.get(base))
             blob_of = dict(zip(chain, blobs))
-            return key, decode_chain(chain, blob_of.__getitem__, pipeline.root_buffer(nbytes), check_each=True), 0
+            raw = decode_chain(chain, blob_of.__getitem__, pipeline.root_buffer(nbytes), check_each=True)
+            return key, raw, 0, last_below(nbytes) if len(chain) > 1 else None
         except CasError:
             return None
 
@@ -320,7 +339,8 @@ def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects
             for job in batch:
                 results[job.position] = _tensor_result(job)
                 if deltas is not None and job.shard is not None:
-                    deltas.keep(job.shard, job.data, job.skew, job.keys)
+                    deltas.keep(job.shard, job.data, job.skew, job.keys,
+                                list(chunk_spans(job.data.size, objects.chunk_size, job.skew)), objects.written)
     return results
 
 

@@ -19,7 +19,8 @@ stored. The protocol therefore goes through DCP's planning round trip:
      Then this save's shard bytes replace the cache (`RankDeltas.keep`).
 
 Memory: one copy of the rank's floating-point shards (its share of the state, not the whole
-state), per store path and process (one rank per process, as DCP runs it), for the MAX_STORES
+state), plus the previous bytes of the chunks it wrote as deltas (for `linear` deltas), per store
+path and process (one rank per process, as DCP runs it), for the MAX_STORES
 stores saved into last. A cache is dropped
 when a write fails half-way (its buffers were being overwritten).
 """
@@ -43,12 +44,16 @@ SEED = "cas_base_seed"
 @dataclass
 class ShardBase:
     """One shard's bytes at the rank's last save, and its chunk keys. `data` is None for a shard
-    seeded from the latest checkpoint (a restarted rank): its bases are read back from files."""
+    seeded from the latest checkpoint (a restarted rank): its bases are read back from files.
+    `below` holds, at the spans of the chunks `below_keys` names (chunk index -> the key of its
+    own delta base), the bytes of those bases: what `linear` deltas extrapolate from."""
 
     data: np.ndarray | None
     skew: int
     keys: list
     nbytes: int
+    below: np.ndarray | None = None
+    below_keys: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -153,9 +158,11 @@ class RankDeltas:
     kept_bytes: int = 0
 
     def base(self, shard, skew: int, nbytes: int, index: int, start: int, end: int) -> tuple | None:
-        """(key, bytes, depth) of the previous save's chunk at this position, when it is stored
-        and its chain is shorter than max_chain; (root key, None, 0) when the chain is full and
-        its root can be read (the caller decodes it); else None."""
+        """(key, bytes, depth, below) of the previous save's chunk at this position, when it is
+        stored and its chain is shorter than max_chain (below: (its own base's key, that base's
+        bytes) when they were kept; the caller checks the stored chunk is still that delta);
+        (root key, None, 0, None) when the chain is full and its root can be read (the caller
+        decodes it); else None."""
         prev = self.previous.shards.get(shard) if self.previous is not None and shard is not None else None
         if prev is None or prev.skew != skew or prev.nbytes != nbytes or index >= len(prev.keys):
             return None
@@ -165,20 +172,35 @@ class RankDeltas:
             return None
         if depth >= self.max_chain:
             root = self.roots.get(key)
-            return (root, None, 0) if isinstance(root, bytes) else None
-        return key, None if prev.data is None else prev.data[start:end], depth
+            return (root, None, 0, None) if isinstance(root, bytes) else None
+        if prev.data is None:
+            return key, None, depth, None
+        below = (prev.below_keys[index], prev.below[start:end]) if index in prev.below_keys else None
+        return key, prev.data[start:end], depth, below
 
-    def keep(self, shard, data: np.ndarray, skew: int, keys: list) -> None:
+    def keep(self, shard, data: np.ndarray, skew: int, keys: list, spans: list, written: dict) -> None:
         """Remember a shard just written, for the next save: its bytes while they fit in
         `memory` (in plan order), else only its keys (the next save reads those bases back from
-        their files). The previous save's buffer of the same shard is reused: only this shard's
-        own chunks were coded against it."""
+        their files); within the same budget, of the chunks written as deltas of the previous
+        bytes (`written`: key -> base key), those previous bytes too. The previous save's buffers
+        of the same shard are reused: only this shard's own chunks were coded against them."""
         if self.memory is not None and self.kept_bytes + data.size > self.memory:
             self.current.shards[shard] = ShardBase(None, skew, list(keys), data.size)
             return
         self.kept_bytes += data.size
         prev = self.previous.shards.get(shard) if self.previous is not None else None
         reuse = prev is not None and prev.data is not None and prev.data.size == data.size
+        below, moved = None, {}
+        if reuse and prev.skew == skew and len(prev.keys) == len(keys):
+            moved = {i: prev.keys[i] for i, key in enumerate(keys) if written.get(key) == prev.keys[i]}
+        if moved and (self.memory is None or self.kept_bytes + data.size <= self.memory):
+            self.kept_bytes += data.size
+            below = prev.below if prev.below is not None and prev.below.size == data.size \
+                else np.empty(data.size, dtype=np.uint8)
+            for i in moved:
+                below[spans[i][0]:spans[i][1]] = prev.data[spans[i][0]:spans[i][1]]
+        else:
+            moved = {}
         buf = prev.data if reuse else np.empty(data.size, dtype=np.uint8)
         np.copyto(buf, data)
-        self.current.shards[shard] = ShardBase(buf, skew, list(keys), data.size)
+        self.current.shards[shard] = ShardBase(buf, skew, list(keys), data.size, below, moved)

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from dcp_worker import train
-from test_delta import FLOATS, chains, evolve
+from test_delta import FLOATS, _trajectory, chains, evolve
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -796,3 +796,28 @@ def test_dcp_delta_memory_keeps_keys_only_and_reads_bases_back_from_files(tmp_pa
         loaded = load_mlp(path, 3, refs[3])
         assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
     assert abs(sizes[0] - sizes[None]) < 0.01 * sizes[None]
+
+
+@pytest.mark.parametrize("memory", [None, 0])
+def test_dcp_ranks_code_steady_motion_as_linear_deltas(tmp_path, memory):
+    """As Store.save does: once a rank's base is itself a delta, the rank may extrapolate the
+    base's motion (`linear`), from the previous bytes it kept (None) or from the chain it reads
+    back (0); every step restores bit for bit, also after the checkpoints holding the bases go."""
+    from cas.store import dcp_bases
+    states = _trajectory(5, seed=7)
+    path = str(tmp_path / "s")
+    dcp_bases.replace(os.path.abspath(path), None)
+    for step, w in enumerate(states, 1):
+        cdcp.save({"w": w, "h": w.to(torch.bfloat16)}, path, step, no_dist=True, chunk_size=CHUNK, delta=True,
+                  max_chain=4, delta_memory=memory)
+    with cas.open(path) as store:
+        codecs = {s: {store.objects.codec_of(k) for t in store.tensors(s) for k in t["chunks"]} for s in (2, 3, 4)}
+        assert codecs[2] == {"sub4+bytegroup4+zstd", "sub2+bytegroup2+zstd"}
+        assert codecs[3] == codecs[4] == {"linear4+bytegroup4+zstd", "linear2+bytegroup2+zstd"}
+        for step in (1, 2, 3, 4):
+            store.delete(step)
+        store.gc()
+        assert store.verify().ok
+    out = {"w": torch.empty_like(states[-1]), "h": torch.empty_like(states[-1], dtype=torch.bfloat16)}
+    cdcp.load(out, path, 5, no_dist=True)
+    assert out["w"].equal(states[-1]) and out["h"].view(torch.uint8).equal(states[-1].to(torch.bfloat16).view(torch.uint8))
