@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from dcp_worker import train
-from test_delta import FLOATS, _trajectory, chains, evolve
+from test_delta import FLOATS, _trajectory, chains, next_state
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -680,9 +680,9 @@ def test_any_chain_of_dcp_delta_saves_restores_bit_for_bit_also_after_gc(tmp_pat
     path = str(tmp_path_factory.mktemp("dcp_delta") / "s")
     torch.manual_seed(0)
     t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
-    history = {}
-    for step, (seed, scale, frac) in enumerate(chain):
-        t = evolve(t, seed, scale, frac)
+    history, prev = {}, None
+    for step, spec in enumerate(chain):
+        t, prev = next_state(t, prev, *spec), t
         cdcp.save({"w": t, "n": step}, path, step, no_dist=True, chunk_size=64 << 10, delta=True, max_chain=3)
         history[step] = t.clone()
     with cas.open(path) as store:

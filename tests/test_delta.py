@@ -1,6 +1,7 @@
-"""Delta chains: any chain of states restores bit for bit, also after gc removed the
-checkpoints that held the bases; chains stay bounded; verify checks every link; deltas are
-integer differences (`sub`), and XOR deltas written by earlier versions still decode."""
+"""Delta chains: any chain of states (some steps repeating the last one's motion, which `linear`
+deltas extrapolate) restores bit for bit, also after gc removed the checkpoints that held the
+bases; chains stay bounded; verify checks every link; deltas are integer differences (`sub`) or
+differences from a linear prediction, and XOR deltas written by earlier versions still decode."""
 
 from __future__ import annotations
 
@@ -36,8 +37,18 @@ def evolve(t: torch.Tensor, seed: int, scale: float, frac: float) -> torch.Tenso
     return out.to(t.dtype)
 
 
+def next_state(t: torch.Tensor, prev: torch.Tensor | None, seed: int, scale: float, frac: float,
+               keeps_moving: bool) -> torch.Tensor:
+    """One step of a generated chain: `evolve`, after repeating the last step's motion when
+    `keeps_moving` (what `linear` deltas predict)."""
+    if keeps_moving and prev is not None:
+        wide = (lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64))  # noqa: E731
+        t = (2 * wide(t) - wide(prev)).to(t.dtype)
+    return evolve(t, seed, scale, frac)
+
+
 chains = st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from([1e-6, 1e-3, 1.0]),
-                            st.sampled_from([0.0, 0.01, 0.5, 1.0])), min_size=2, max_size=7)
+                            st.sampled_from([0.0, 0.01, 0.5, 1.0]), st.booleans()), min_size=2, max_size=7)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -49,11 +60,11 @@ def test_any_chain_of_states_restores_bit_for_bit_also_after_gc(tmp_path_factory
     path = tmp_path_factory.mktemp("delta") / "s"
     torch.manual_seed(0)
     t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
-    history = {}
+    history, prev = {}, None
     with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=3,
                   delta_memory=memory) as store:
-        for step, (seed, scale, frac) in enumerate(chain):
-            t = evolve(t, seed, scale, frac)
+        for step, spec in enumerate(chain):
+            t, prev = next_state(t, prev, *spec), t
             store.save({"w": t, "n": step}, step=step)
             history[step] = t.clone()
         for step, expected in history.items():
