@@ -397,8 +397,9 @@ def test_linear_deltas_are_the_same_with_bases_in_memory_or_read_back(tmp_path):
 
 
 def test_a_failed_save_leaves_the_next_linear_delta_correct(tmp_path):
-    """The bytes a linear delta extrapolates from are replaced only once a save commits: after a
-    save that failed at its commit, the next one still predicts from what is stored."""
+    """A save that fails at its commit had started replacing the in-memory bases (and the bytes
+    linear deltas extrapolate from): they are dropped, and the next save reads its bases back
+    from the latest committed checkpoint, coding correct linear deltas against it."""
     from cas import faults
     states = _trajectory(5, seed=4)
     with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
@@ -412,11 +413,13 @@ def test_a_failed_save_leaves_the_next_linear_delta_correct(tmp_path):
             faults.configure("")
         store.save({"w": states[4]}, step=4)
         assert {store.objects.codec_of(k) for k in store.tensors(4)[0]["chunks"]} == {"linear4+bytegroup4+zstd"}
+        records = _records(store)
+        assert [records[k].base for k in store.tensors(4)[0]["chunks"]] == store.tensors(2)[0]["chunks"]
         assert store.load(4)["w"].equal(states[4])
         assert store.verify().ok
 
 
-def test_a_linear_delta_over_a_base_shared_by_chunks_decodes_from_its_chain(tmp_path, monkeypatch):
+def test_a_linear_delta_over_a_base_shared_by_chunks_decodes_from_its_chain(tmp_path):
     """Two tensors equal for two saves (shared objects) then parting: both chunks extrapolate
     from the one shared base. A load decodes that base once for both, but the linear level
     above also needs the base's base, which it then decodes from the bottom of the chain."""
