@@ -75,8 +75,9 @@ def _zstd_d() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _scratch(nbytes: int, slot: str = "scratch") -> np.ndarray:
-    """A per-thread reusable byte buffer: fresh large allocations are slow on this kind of VM."""
+def scratch(nbytes: int, slot: str = "scratch") -> np.ndarray:
+    """A per-thread reusable byte buffer, one per `slot` name (each name has one user, so
+    buffers in use never alias): fresh large allocations are slow on this kind of VM."""
     buf = getattr(_local, slot, None)
     if buf is None or buf.size < nbytes:
         buf = np.empty(max(nbytes, 1), dtype=np.uint8)
@@ -91,7 +92,7 @@ def group_bytes(raw: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarr
     if element_size in _SHIFTED:
         # as integers, plane k is (element >> 8k): 3.4x (2-byte) and 1.8x (4-byte) faster here
         # than numpy's strided byte copy below
-        wide = _scratch(raw.size, "shift").view(_UNSIGNED[element_size])
+        wide = scratch(raw.size, "shift").view(_UNSIGNED[element_size])
         elements = raw.view(_UNSIGNED[element_size])
         for k in range(element_size):
             np.copyto(planes[k], np.right_shift(elements, 8 * k, out=wide), casting="unsafe")
@@ -127,7 +128,7 @@ def sub_delta(raw: np.ndarray, base: np.ndarray, element_size: int, out: np.ndar
     fp32 weights to 0.69 of raw (XOR 0.72), exp_avg_sq 0.65 (0.73), bf16 weights 0.39 (0.44)."""
     u, i = _UNSIGNED[element_size], _SIGNED[element_size]
     d = np.subtract(raw.view(u), base.view(u), out=out.view(u))
-    sign = np.right_shift(d.view(i), 8 * element_size - 1, out=_scratch(out.size, "sign").view(i))  # 0 or -1
+    sign = np.right_shift(d.view(i), 8 * element_size - 1, out=scratch(out.size, "sign").view(i))  # 0 or -1
     np.left_shift(d, 1, out=d)
     np.bitwise_xor(d, sign.view(u), out=d)
     return out
@@ -138,7 +139,7 @@ def undo_sub_delta(delta: np.ndarray, base: np.ndarray, element_size: int, out: 
     `base` itself (a chain is applied level by level in one buffer)."""
     u = _UNSIGNED[element_size]
     d = delta.view(u)
-    low = np.bitwise_and(d, 1, out=_scratch(delta.size, "sign").view(u))
+    low = np.bitwise_and(d, 1, out=scratch(delta.size, "sign").view(u))
     np.negative(low, out=low)  # 0 or all ones
     np.right_shift(d, 1, out=d)
     np.bitwise_xor(d, low, out=d)
@@ -164,7 +165,7 @@ def linear_prediction(base: np.ndarray, motion: np.ndarray, element_size: int, s
     i = _SIGNED[element_size]
     m = motion.view(i)
     if shift:
-        fix = np.right_shift(m, 8 * element_size - 1, out=_scratch(motion.size, "round").view(i))  # 0 or -1
+        fix = np.right_shift(m, 8 * element_size - 1, out=scratch(motion.size, "round").view(i))  # 0 or -1
         np.bitwise_and(fix, (1 << shift) - 1, out=fix)  # what a negative motion needs added to truncate
         step = np.add(m, fix, out=out.view(i))
         np.right_shift(step, shift, out=step)
@@ -214,9 +215,9 @@ class CodecPolicy:
             if delta_sample < DELTA_MARGIN * plain_sample:
                 reference = base[1]
                 if shift is not None:
-                    motion = motion_of(base[1], below, group or 1, _scratch(n, "prediction"))
+                    motion = motion_of(base[1], below, group or 1, scratch(n, "prediction"))
                     reference = linear_prediction(base[1], motion, group or 1, shift, motion)
-                delta = sub_delta(view, reference, group or 1, _scratch(n, "delta"))
+                delta = sub_delta(view, reference, group or 1, scratch(n, "delta"))
                 packed = self._pack(delta, group)
                 if len(packed) < n:
                     first = (STAGE_SUB, group or 1) if shift is None else (STAGE_LINEAR, group or 1)
@@ -232,7 +233,7 @@ class CodecPolicy:
 
     def _pack(self, data: np.ndarray, group: int) -> bytes:
         if group:
-            data = group_bytes(data, group, _scratch(data.size))
+            data = group_bytes(data, group, scratch(data.size))
         return _zstd_c(self.level).compress(data)
 
     def _best_prediction(self, view: np.ndarray, element_size: int, base: np.ndarray,
@@ -391,7 +392,7 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarra
             raise CorruptionError(f"object extrapolates from delta base {to_hex(head.base)}, whose own base is "
                                   f"not available here (is that base a full object?)", key=name)
     # a delta's payload goes to a scratch buffer first: `out` may hold its base
-    target = _scratch(head.raw_size, "delta") if delta is not None else out
+    target = scratch(head.raw_size, "delta") if delta is not None else out
     try:
         _decode_payload(memoryview(data)[head.payload_offset:], stages, target, head, name)
     except zstandard.ZstdError as exc:
@@ -401,7 +402,7 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarra
     elif delta is not None:
         reference = base
         if head.needs_below:
-            guess = motion_of(base, below, delta[1], _scratch(head.raw_size, "prediction"))
+            guess = motion_of(base, below, delta[1], scratch(head.raw_size, "prediction"))
             reference = linear_prediction(base, guess, delta[1], head.shift, guess)
         undo_sub_delta(target, reference, delta[1], out)
     if verify and hash_bytes(out) != key:
@@ -415,7 +416,7 @@ def _decode_payload(payload, stages: list, out: np.ndarray, head: Header, name: 
     if stages and stages[-1][0] == STAGE_ZSTD:
         stages.pop()
         # straight into `out`, or into a reused buffer when planes must be interleaved after
-        plain = _scratch(head.raw_size, "unzstd") if grouped else out
+        plain = scratch(head.raw_size, "unzstd") if grouped else out
         _decompress_into(payload, plain, name)
     elif len(payload) != head.raw_size:
         raise CorruptionError(f"object payload holds {len(payload)} bytes, header says {head.raw_size}", key=name)

@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from . import faults
-from .codecs import CodecPolicy, decode_into, parse_header
+from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CorruptionError, MissingObjectError, StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
@@ -55,11 +55,8 @@ def _walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) ->
 
 
 def _level_buffer(nbytes: int) -> np.ndarray:
-    """A per-thread buffer for the second of the two buffers a chain is decoded in."""
-    buf = getattr(_local, "level", None)
-    if buf is None or buf.size < nbytes:
-        buf = _local.level = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes]
+    """The per-thread buffer for the second of the two buffers a chain is decoded in."""
+    return scratch(nbytes, "chain level")
 
 
 def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.ndarray | None = None, *,

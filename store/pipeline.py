@@ -10,7 +10,6 @@ copied only when its chunks enter the window.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from cas import faults
+from cas.codecs import scratch
 from cas.errors import CorruptionError
 from cas.hashing import hash_bytes
 from cas.objectstore import ObjectStore, WriteSession, last_below
@@ -165,16 +165,10 @@ def decoded_base(objects: ObjectStore, key: bytes, nbytes: int, depth: int) -> t
     return key, raw, depth, last_below(nbytes) if len(chain) > 1 else None
 
 
-_local = threading.local()
-
-
 def root_buffer(nbytes: int) -> np.ndarray:
     """A per-thread buffer for decoded chain roots (Store.save's workers and DCP ranks'): fresh
     memory is slow to touch here."""
-    buf = getattr(_local, "root", None)
-    if buf is None or buf.size < nbytes:
-        buf = _local.root = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
+    return scratch(nbytes, "chain root")
 
 
 def write_blobs(session: WriteSession, blobs: dict[bytes, bytes], pool: ThreadPoolExecutor) -> None:
