@@ -199,7 +199,8 @@ class WriteSession:
         self.index = store.index
         self.lease = secrets.token_bytes(LEASE_ID_SIZE)
         self.new_bytes = 0
-        self._claimed: set[bytes] = set()
+        self._held: set[bytes] = set()  # keys this session's lease holds against gc
+        self._claimed: set[bytes] = set()  # keys not stored that a caller claimed, so writes
         self._pending_small: dict[bytes, tuple] = {}  # key -> (encoded, raw size, base, depth)
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
@@ -217,27 +218,38 @@ class WriteSession:
         if self._open:
             self.abort()
 
+    def hold(self, keys) -> list[bool]:
+        """Hold `keys` against gc for this session (a delta base or a chain root it may code
+        against, an object it moves); True for each that is stored. Promises no write: a key
+        held here and not stored is still the caller's to write if it claims it later."""
+        self._check_open()
+        new = [key for key in dict.fromkeys(keys) if key not in self._held]
+        if new:
+            with self.index.write() as txn:
+                records = []
+                for key in new:
+                    self.index.hold(txn, self.lease, key)
+                    records.append(self.index.record(txn, key))
+            # Held keys cannot be swept from here on, so the file checks may run outside the txn.
+            found = {key: rec for key, rec in zip(new, records) if self._is_stored(key, rec)}
+            with self._lock:
+                self._held.update(new)
+                self._records.update(found)
+        with self._lock:
+            return [key in self._records for key in keys]
+
     def claim(self, keys: list[bytes]) -> list[bool]:
         """Hold `keys` for this session; True for each key that is already stored (or claimed
-        earlier in this session), False for each the caller must write."""
-        self._check_open()
-        records: list = []
-        with self.index.write() as txn:
-            for key in keys:
-                if key in self._claimed:
-                    records.append(True)
-                    continue
-                self._claimed.add(key)
-                self.index.hold(txn, self.lease, key)
-                records.append(self.index.record(txn, key))
-        # Held keys cannot be swept from here on, so the file checks may run outside the txn.
-        stored = []
-        for key, rec in zip(keys, records):
-            ok = rec is True or self._is_stored(key, rec)
-            if isinstance(rec, ObjectRecord) and ok:
-                self._records[key] = rec
-            stored.append(ok)
-        return stored
+        earlier in this session, by a caller who writes it), False for each the caller must
+        write."""
+        stored = self.hold(keys)
+        out = []
+        with self._lock:
+            for key, ok in zip(keys, stored):
+                out.append(ok or key in self._claimed)
+                if not ok:
+                    self._claimed.add(key)
+        return out
 
     def depth(self, key: bytes) -> int | None:
         """Delta depth of an object this session claimed or wrote; None when it is not stored."""

@@ -245,7 +245,7 @@ def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> No
     remove the old pack once no record points to it."""
     objects, index = store.objects, store.index
     with objects.session("gc repack") as session:
-        session.claim(keys)
+        session.hold(keys)
         moved = 0
         for key in keys:
             rec = objects.record(key)

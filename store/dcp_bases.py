@@ -7,7 +7,7 @@ stored. The protocol therefore goes through DCP's planning round trip:
 
   1. prepare_local_plan, every rank: the keys of its cached chunks go to the coordinator in the
      plan's storage_data (`proposal`).
-  2. prepare_global_plan, coordinator: claims those keys in its barrier session, which holds them
+  2. prepare_global_plan, coordinator: holds those keys in its barrier session
      (no gc sweeps them until the commit) and says which are stored; each plan goes back with
      the chain depth of each stored key, or NOT_STORED, and for keys whose chain is full the
      chain's root, when ranks can read it (held too) (`confirm`). A rank none of whose keys is
@@ -92,10 +92,10 @@ def proposal(path: str) -> dict:
     return {PROPOSAL: cache.keys() if cache else []}
 
 
-def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], object],
+def confirm(storage_data, step: int, max_chain: int, hold: Callable[[list], object],
             depth_of: Callable[[bytes], int | None],
             roots_of: Callable[[list], dict[bytes, bytes]], seed: Callable[[], dict] = dict) -> dict:
-    """The coordinator's answer to one rank's proposal: `claim(keys)` holds the keys (gc keeps
+    """The coordinator's answer to one rank's proposal: `hold(keys)` holds the keys (gc keeps
     them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
     depth, None for one that is not stored. For keys whose chain is full, `roots_of` gives the
     chain roots a rank may code against instead (held too), as Store.save does. A rank none of
@@ -105,14 +105,14 @@ def confirm(storage_data, step: int, max_chain: int, claim: Callable[[list], obj
     keys = storage_data.get(PROPOSAL) if isinstance(storage_data, dict) else None
     keys = [k for k in keys if isinstance(k, bytes)] if isinstance(keys, list) else []
     if keys:
-        claim(keys)
+        hold(keys)
     depths = [depth_of(k) for k in keys]
     seeded = {}
     if all(d is None for d in depths):
         seeded = seed()
         keys = list(dict.fromkeys(k for _, _, chunks in seeded.values() for k in chunks))
         if keys:
-            claim(keys)
+            hold(keys)
         depths = [depth_of(k) for k in keys]
     full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain] if max_chain > 0 else []
     return {FOR_STEP: step, PROPOSAL: keys,

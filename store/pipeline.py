@@ -100,7 +100,8 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
         for batch in batches(_chunks(leaves), lambda c: c[2].nbytes, max(window_bytes // 2, 1), CLAIM_BATCH):
             keys = list((hash_pool or pool).map(lambda c: hash_bytes(c[2]), batch))
             candidates = [_base_of(bases, *item) if bases else None for item in batch]
-            stored = session.claim(keys + [c[0] for c in candidates if c is not None])[:len(keys)]
+            session.hold([c[0] for c in candidates if c is not None] + keys)  # one index transaction
+            stored = session.claim(keys)
             faults.point("save.hashed")
             todo = [(leaf, i, view, key, cand) for (leaf, i, view, _), key, present, cand
                     in zip(batch, keys, stored, candidates) if not present]
@@ -141,7 +142,7 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
     chains = session.store.chains(full.values()) if full else {}
     roots = {n: chains[top][-1] for n, top in full.items()}
     if roots:  # held from here on, so no gc can take a root before the commit
-        present = session.claim(list(roots.values()))
+        present = session.hold(list(roots.values()))
         for (n, root), ok in zip(roots.items(), present):
             out[n] = (root, None, 0, None) if ok else None
     return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from cas.codecs import decode_into, parse_header
 from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
+from cas.objectstore import MAX_CHAIN_DECODE
 from cas.objects import FileObjects
 from cas.packs import PackFiles
 
@@ -102,7 +103,7 @@ def _set_depths(records: dict[bytes, ObjectRecord]) -> None:
     counts as a full object (loading the delta then reports the missing base by name)."""
     def depth(key: bytes, seen: int = 0) -> int:
         rec = records.get(key)
-        if rec is None or rec.base is None or seen > 64:
+        if rec is None or rec.base is None or seen > MAX_CHAIN_DECODE:
             return 0
         if rec.depth == 0:
             records[key] = rec = dataclasses.replace(rec, depth=min(depth(rec.base, seen + 1) + 1, 255))

@@ -22,7 +22,7 @@ from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, Read
 from cas.hashing import hash_bytes
 from cas.index import WHERE_PACK, Index
 from cas.objects import FileObjects
-from cas.objectstore import DEFAULT_PACK_MAX, ObjectStore
+from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE, ObjectStore
 from cas.packs import PackFiles
 
 from . import layout as L
@@ -388,7 +388,8 @@ class Store:
 
         Returns the checkpoint's top-level entries, with each stateful target in place of its
         state dict. Tensors are decoded straight into the targets' own tensors where dtype and
-        shape match, so no second full copy of a model is held."""
+        shape match, so no second full copy of a model is held; memory two entries share (tied
+        weights) is decoded into once, the other entry through load_state_dict."""
         self._check_open()
         if not isinstance(targets, dict):
             raise TypeError("restore takes a dict of targets, like the state that was saved")
@@ -404,7 +405,7 @@ class Store:
             if is_stateful(target):
                 walk_value(target.state_dict(), lambda t, p: into.setdefault(p, t), path=str(key),
                            match=torch.Tensor)
-        loaded = self._load(ck, None, into)
+        loaded = self._load(ck, None, tensors.without_shared_memory(into))
         for key, target in targets.items():
             if is_stateful(target):
                 target.load_state_dict(loaded[key])
@@ -610,8 +611,9 @@ def _floating_node(node: dict) -> bool:
 
 
 def _checked_max_chain(max_chain) -> int:
-    if type(max_chain) is not int or not 0 <= max_chain <= 255:
-        raise CasError(f"max_chain must be an int from 0 to 255, got {max_chain!r}")
+    """A bound restore can follow: chains deeper than MAX_CHAIN_DECODE are refused as cycles."""
+    if type(max_chain) is not int or not 0 <= max_chain <= MAX_CHAIN_DECODE:
+        raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {max_chain!r}")
     return max_chain
 
 

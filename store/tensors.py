@@ -119,6 +119,22 @@ def element_size(lib: str, dtype_name: str) -> int:
     return numpy_dtype(dtype_name).itemsize
 
 
+def without_shared_memory(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The restore targets minus each one whose bytes overlap an earlier one's. Two state-dict
+    entries can be one tensor (tied weights) or views of one storage, and two decodes must never
+    write the same bytes at once: a chain decode keeps its intermediate levels in its output.
+    A target left out gets a new tensor, which load_state_dict copies into the shared memory."""
+    spans = sorted((t.data_ptr(), order, t.data_ptr() + t.numel() * t.element_size(), path)
+                   for order, (path, t) in enumerate(targets.items())
+                   if t.device.type == "cpu" and t.numel() and t.is_contiguous())
+    overlapping, reach = set(), 0
+    for start, _, end, path in spans:
+        if start < reach:
+            overlapping.add(path)
+        reach = max(reach, end)
+    return {path: t for path, t in targets.items() if path not in overlapping}
+
+
 def output_for(node: dict, dest=None) -> tuple[object, np.ndarray]:
     """Where a loaded tensor's bytes go: `dest` itself when it is a CPU tensor of the node's
     dtype and shape laid out contiguously (restore into an existing model), else a new one."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cas.errors import CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
+from cas.objectstore import MAX_CHAIN_DECODE
 
 
 @dataclass
@@ -65,7 +66,7 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
             raise MissingObjectError("object file is missing", key=key.hex())
         if size != rec.stored_size:
             raise CorruptionError(f"object file has {size} bytes, the index says {rec.stored_size}", key=key.hex())
-    if rec.base is not None and _depth < 64:
+    if rec.base is not None and _depth < MAX_CHAIN_DECODE:
         try:
             check_present(objects, rec.base, _depth + 1)
         except CorruptionError as exc:

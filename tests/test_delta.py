@@ -242,7 +242,7 @@ def test_the_delta_decision_samples_the_whole_chunk_not_its_start(tmp_path):
 
 
 def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
-    """A saving process claimed a delta as the base of its next chunk (a hold) while every
+    """A saving process held a delta as the base of its next chunk (a hold) while every
     checkpoint that reached it was deleted: gc must keep the held delta's own bases, or the
     save about to commit would reference a broken chain."""
     torch.manual_seed(0)
@@ -255,7 +255,7 @@ def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
         chain = store.objects.chain(top)
         assert len(chain) == 3
         with store.objects.session("a save coding against step 2") as session:
-            session.claim([top])
+            session.hold([top])
             for step in range(3):
                 store.delete(step)
             store.gc()
@@ -455,3 +455,63 @@ def test_a_linear_delta_needs_its_base_to_be_a_delta():
     old_format[4] = 2
     with pytest.raises(cas.CorruptionError, match="format 3 introduced"):
         decode_into(bytes(old_format), hash_bytes(raw), None, base, below=below)
+
+
+def test_a_swept_base_whose_bytes_return_later_in_the_same_save_is_written(tmp_path):
+    """The in-memory bases name chunks that gc swept (their checkpoint was deleted): the save
+    holds them as delta candidates, finds them gone, and must still write that content when a
+    later batch of the same save holds it (it once counted as stored: a committed checkpoint
+    referenced a missing object)."""
+    torch.manual_seed(0)
+    x = torch.randn(64 << 10)  # 4 chunks of 64 KiB
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, window_bytes=128 << 10) as store:
+        store.save({"a": x}, step=1)
+        store.delete(1)
+        store.gc()
+        state = {"a": x + 1e-4 * torch.randn_like(x), "b": x.clone()}  # b: the swept bases' bytes
+        store.save(state, step=2)
+        assert store.verify().ok
+        loaded = store.load(2)
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_max_chain_is_bounded_by_the_depth_restore_follows(tmp_path):
+    """Restore refuses chains deeper than 64 as cycles, so a deeper bound is refused up front
+    (it used to commit checkpoints no restore could read)."""
+    with pytest.raises(cas.CasError, match="max_chain must be an int from 0 to 64"):
+        cas.open(tmp_path / "refused", delta=True, max_chain=65)
+    w, states = torch.randn(16 << 10), []
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, max_chain=64) as store:
+        for step in range(67):
+            w = w + 1e-5 * torch.randn_like(w)
+            states.append(w.clone())
+            store.save({"w": w}, step=step)
+        assert max(u["max_depth"] for u in store.codec_usage().values()) == 64
+        for step in (63, 64, 65, 66):
+            assert torch.equal(store.load(step)["w"], states[step])
+
+
+class _TiedEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 256)  # 256 KiB: 4 chunks of 64 KiB
+        self.head = torch.nn.Linear(256, 256, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_restore_into_tied_weights_decodes_their_memory_once(tmp_path):
+    """Two state-dict entries of one tensor (tied weights): two decodes into the same memory
+    would race (a chain decode keeps intermediate levels in its output) and fail the hash check
+    about every other restore; the shared memory is decoded into once."""
+    torch.manual_seed(0)
+    model = _TiedEmbedding()
+    motion = 1e-3 * torch.randn_like(model.emb.weight)
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, workers=2) as store:
+        for step in range(5):
+            with torch.no_grad():
+                model.emb.weight.add_(motion + 1e-5 * torch.randn_like(motion))
+            store.save({"model": model}, step=step)
+        for _ in range(40):
+            target = _TiedEmbedding()
+            store.restore({"model": target})
+            assert torch.equal(target.emb.weight, model.emb.weight) and target.head.weight is target.emb.weight
