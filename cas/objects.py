@@ -94,6 +94,33 @@ class FileObjects(FanoutDir):
             with self._lock:
                 self._dirty.add(directory)
 
+    def place_new(self, staged: tuple[str, bytes]) -> bool:
+        """Give a staged (already fsynced) file its object's name unless a file holds that name
+        already: False then, and the staged file is left as it is. For writers that cannot see
+        the index (DCP ranks): an existing file may be indexed, and other checkpoints decode
+        through it, so it must never change under them. A hard link is the atomic no-clobber
+        rename; where the filesystem has none, the check and the rename are two steps."""
+        tmp, key = staged
+        path = self.path(key)
+        directory = os.path.dirname(path)
+        made = directory not in self._made
+        if made:
+            os.makedirs(directory, exist_ok=True)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            if os.path.lexists(path):
+                return False
+            os.rename(tmp, path)
+        else:
+            unlink_quietly(tmp)
+        with self._lock:
+            self._made.add(directory)
+            self._dirty.update((directory, self.root) if made else (directory,))
+        return True
+
     @staticmethod
     def discard(staged: list[tuple[str, bytes]]) -> None:
         for tmp, _ in staged:

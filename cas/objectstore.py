@@ -24,6 +24,7 @@ import numpy as np
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CorruptionError, MissingObjectError, StoreClosedError
+from .fsutil import unlink_quietly
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
 from .packs import PACK_TARGET, PackFiles
@@ -324,10 +325,23 @@ class WriteSession:
                 _, raw_size, base, depth = pending[key]
                 self._written[key] = ObjectRecord(WHERE_PACK, length, raw_size, pack, offset, base, depth)
 
-    def adopt(self, key: bytes) -> int:
+    def adopt(self, key: bytes, replacement: str | None = None) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot
-        touch LMDB): its header must parse and give its raw size. A delta keeps its base edge
-        (gc follows it). Returns its stored size."""
+        touch LMDB); returns its stored size. An object the index holds keeps its record and its
+        file (other checkpoints decode through them: a save never changes either). `replacement`
+        is a rank's fsynced temporary file of the same content, written because it could not
+        tell whether the existing file is sound to reference: it takes that file's place only
+        when the index does not hold the key (or holds it with no matching file), and is
+        discarded otherwise. A file indexed here must have a header that parses and gives its
+        raw size; a delta keeps its base edge (gc follows it), whose base must be indexed."""
+        with self.index.read() as txn:
+            held = self.index.record(txn, key)
+        if held is not None and self._is_stored(key, held) and self._file_agrees(key, held):
+            if replacement is not None:
+                unlink_quietly(replacement)
+            return held.stored_size
+        if replacement is not None:
+            self.store.files.publish([(replacement, key)], fsync=False)  # the rank fsynced it
         data_size = self.store.files.has(key)
         if data_size is None:
             raise MissingObjectError("an object a distributed writer reported is not in the store", key=key.hex())
@@ -344,6 +358,16 @@ class WriteSession:
             if key not in self._written:
                 self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size, base=head.base, depth=depth)
         return data_size
+
+    def _file_agrees(self, key: bytes, rec: ObjectRecord) -> bool:
+        """Whether an indexed file object's header names the base its record does (a pack entry
+        is the pack's own)."""
+        if rec.where == WHERE_PACK:
+            return True
+        try:
+            return parse_header(self.store.files.head(key, 64), key=key).base == rec.base
+        except CorruptionError:
+            return False
 
     def commit(self, finish: Callable[[object], T]) -> T:
         """Make every written object durable, then in one transaction index them, run

@@ -15,16 +15,21 @@ Protocol (DCP calls; "coordinator" is DCP's rank 0):
   2. write_data, every rank, for its own items only: cut each tensor shard into chunks on the
      tensor's global byte grid (a dim-0 shard at row r starts r*row_bytes into the tensor, so
      its `skew` is that modulo the chunk size and chunks fully inside a shard coincide at any
-     world size), hash each chunk, skip it when a full object file of it exists (a file under
-     its final name is complete: FileObjects.put fsyncs before the atomic rename, and the
-     barrier keeps gc away; a delta file is rewritten whole), else encode and put it as a
-     file, then files.sync(). Ranks never open LMDB, so the design holds on a shared
+     world size), hash each chunk, skip it when a full object file of it exists, or a delta
+     file the coordinator confirmed stored (a file under its final name is complete: it is
+     fsynced before it gets that name, and the barrier keeps gc away), else encode it and give
+     it its name as a file, never over an existing one (which may be indexed: other
+     checkpoints decode through it); for an existing file it cannot reuse, the rank writes a
+     temporary replacement, reported with its results; then files.sync(). Ranks never open
+     LMDB, so the design holds on a shared
      filesystem where LMDB cannot be shared. Non-tensor values are encoded
      from the planner's ORIGINAL objects as msgpack with type tags (store/values.pack); only
      an object msgpack cannot encode is kept as the planner's pickled bytes, tagged as such.
      WriteResults carry chunk keys and encoded values back to the coordinator.
   3. finish, coordinator only, called by DCP only when every rank succeeded: adopt every
-     reported chunk file into the session (indexed at commit), write the manifest nodes (a
+     reported chunk file into the session (indexed at commit; a key the index holds keeps its
+     record and file, and a replacement takes an existing file's place only when the index
+     does not hold that key), write the manifest nodes (a
      commit node, value nodes, one tensor node per shard: the store's own node kinds, so gc,
      verify, `cas show`, Store.tensors and Store.load work unchanged), then session.commit:
      one LMDB transaction indexes the objects and adds the checkpoint record. metadata's
@@ -58,6 +63,7 @@ import datetime as _dt
 import functools
 import io
 import os
+import re
 import threading
 import time
 import warnings
@@ -82,7 +88,8 @@ from torch.futures import Future
 
 from cas import faults
 from cas.codecs import CodecPolicy, parse_header
-from cas.errors import CasError, CheckpointNotFoundError, CorruptionError
+from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, MissingObjectError
+from cas.fsutil import unlink_quietly
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
 from cas.objects import FileObjects
@@ -104,6 +111,9 @@ BARRIER_PURPOSE = "barrier:dcp step {step}"  # cas.gc.collect.BARRIER_PREFIX: gc
 WRITE_WINDOW_BYTES = 256 << 20  # tensor bytes a rank holds views or copies of at once
 READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while loading
 HEADER_BYTES = 64  # enough for any object header (cas.codecs), a delta's base key included
+ABSENT, REUSABLE, REPLACE = "absent", "reusable", "replace"  # a rank's view of an existing object file
+REPLACEMENTS = "replacements"  # in a tensor's WriteResult: {chunk key: temporary file name}
+_TMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # cas.fsutil.tmp_name's, for an object
 
 
 class DistributedCheckpointError(CasError):
@@ -138,9 +148,12 @@ class SavedCheckpoint:
 class _RankObjects:
     """What a rank writes through: the store's object files, never its index. Dedup is by file
     existence, which the coordinator's barrier lease makes safe against gc: a file under its
-    final name is complete (put renames it into place after fsync). A full object is reused; a
+    final name is complete (written, fsynced, then given its name). A full object is reused; a
     delta only when the coordinator confirmed it stored (`confirmed`: it is indexed with its base
-    edge and held), since its base may be gone otherwise; any other delta file is rewritten."""
+    edge and held), since it may be an unindexed leftover whose base is gone. A rank never
+    changes an existing file, which may be indexed (other checkpoints decode through it): for
+    any other existing file it writes a replacement under a temporary name (`replacements`),
+    which the coordinator puts in place at the commit only if the index does not hold the key."""
 
     def __init__(self, path: str, *, compress: bool, level: int, workers: int) -> None:
         layout = L.Layout(path)
@@ -152,34 +165,40 @@ class _RankObjects:
         self._lock = threading.Lock()
         self.confirmed: dict[bytes, int] = {}
         self.written: dict[bytes, bytes] = {}  # key -> base key of each delta this rank wrote
+        self.replacements: dict[bytes, str] = {}  # key -> temporary file name, for the coordinator
 
     @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
     def put_chunk(self, view: np.ndarray, group: int, base: tuple | None = None) -> bytes:
-        """Hash one chunk and store it unless its file exists; returns its key. `base` = (key,
-        bytes, depth, below) of a confirmed stored chunk it may be coded against as a delta
-        (below: (its own base's key, that base's bytes), for a `linear` delta, used when the
-        stored chunk's header still names that base). Deltas written go to `written`."""
+        """Hash one chunk and store it unless a usable file of it exists; returns its key.
+        `base` = (key, bytes, depth, below) of a confirmed stored chunk it may be coded against
+        as a delta (below: (its own base's key, that base's bytes), for a `linear` delta, used
+        when the stored chunk's header still names that base). Deltas written go to `written`."""
         key = hash_bytes(view)
         with self._lock:
             known = key in self._seen
             self._seen.add(key)
-        if base is not None and base[0] == key:  # unchanged, but its file must be rewritten: whole
+        standing = REUSABLE if known else self._standing(key)
+        if standing == REUSABLE:
+            return key
+        if base is not None and base[0] == key:  # unchanged, but its file is missing or unusable: whole
             base = None
-        if not known and not self._reusable(key):
-            below = None
-            if base is not None and base[1] is None:  # a chain root or a seeded base: decode its files
-                base = self._decoded(base[0], view.nbytes)
-                below = base[3] if base is not None else None
-            elif base is not None and base[3] is not None and self._header_base(base[0]) == base[3][0]:
-                below = base[3][1]
-            enc = self.codec.encode(view, group, base[:2] if base else None, below)
-            self.files.put(key, enc.parts)
+        below = None
+        if base is not None and base[1] is None:  # a chain root or a seeded base: decode its files
+            base = self._decoded(base[0], view.nbytes)
+            below = base[3] if base is not None else None
+        elif base is not None and base[3] is not None and self._header_base(base[0]) == base[3][0]:
+            below = base[3][1]
+        enc = self.codec.encode(view, group, base[:2] if base else None, below)
+        staged = self.files.stage(key, enc.parts, fsync=True)
+        placed = standing == ABSENT and self.files.place_new(staged)
+        with self._lock:
+            if not placed:  # a file holds the name (or appeared meanwhile): the coordinator decides
+                self.replacements[key] = os.path.basename(staged[0])
             if enc.base is not None:
-                with self._lock:
-                    self.written[key] = enc.base
+                self.written[key] = enc.base
         return key
 
     def _header_base(self, key: bytes) -> bytes | None:
@@ -206,12 +225,16 @@ class _RankObjects:
         except CasError:
             return None
 
-    def _reusable(self, key: bytes) -> bool:
+    def _standing(self, key: bytes) -> str:
+        """ABSENT (no file), REUSABLE (a full object, or a delta the coordinator confirmed), or
+        REPLACE (a delta of unknown standing, a damaged file, one of another object format)."""
         try:
             head = parse_header(self.files.head(key, HEADER_BYTES), key=key)
-        except CasError:  # absent (MissingObjectError), damaged, or of another object format
-            return False
-        return head.base is None or key in self.confirmed
+        except MissingObjectError:
+            return ABSENT
+        except CasError:
+            return REPLACE
+        return REUSABLE if head.base is None or key in self.confirmed else REPLACE
 
     def sync(self) -> None:
         self.files.sync()
@@ -290,9 +313,12 @@ def _write_tensor_jobs(jobs: list[_TensorJob], objects: _RankObjects, pool: Thre
         pass
 
 
-def _tensor_result(job: _TensorJob) -> WriteResult:
-    return WriteResult(index=job.item.index, size_in_bytes=int(job.data.size),
-                       storage_data={"chunks": job.keys, "skew": job.skew})
+def _tensor_result(job: _TensorJob, replacements: dict[bytes, str]) -> WriteResult:
+    data = {"chunks": job.keys, "skew": job.skew}
+    replaced = {key: replacements[key] for key in job.keys if key in replacements}
+    if replaced:
+        data[REPLACEMENTS] = replaced
+    return WriteResult(index=job.item.index, size_in_bytes=int(job.data.size), storage_data=data)
 
 
 def _original_object(planner: SavePlanner, index: MetadataIndex) -> tuple[bool, Any]:
@@ -337,7 +363,7 @@ def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: _RankObjects
         for batch in pipeline.batches(jobs, lambda job: job.data.size, WRITE_WINDOW_BYTES):  # bounds host copies
             _write_tensor_jobs(batch, objects, pool, deltas)
             for job in batch:
-                results[job.position] = _tensor_result(job)
+                results[job.position] = _tensor_result(job, objects.replacements)
                 if deltas is not None and job.shard is not None:
                     deltas.keep(job.shard, job.data, job.skew, job.keys,
                                 list(chunk_spans(job.data.size, objects.chunk_size, job.skew)), objects.written)
@@ -367,6 +393,7 @@ class _Manifest:
     chunk_keys: list[bytes]
     logical_bytes: int
     sharding: dict
+    replacements: dict[bytes, set[str]]  # chunk key -> ranks' replacement files in tmp/ (_RankObjects)
 
 
 def _results_by_index(results: list[list[WriteResult]]) -> dict[MetadataIndex, Any]:
@@ -431,6 +458,7 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
     nodes = _Nodes()
     items, shards, values, sharding = {}, {}, {}, {}
     keys: list[bytes] = []
+    replacements: dict[bytes, set[str]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             items[fqn] = {"t": "bytes"}
@@ -440,6 +468,9 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
         shard_nodes = [_shard_node(fqn, items[fqn]["dtype"], c, reported.get(MetadataIndex(fqn, c.offsets)),
                                    chunk_size) for c in md.chunks]
         keys.extend(k for node in shard_nodes for k in node["chunks"])
+        for c in md.chunks:
+            for key, name in _replacements(fqn, reported.get(MetadataIndex(fqn, c.offsets))).items():
+                replacements.setdefault(key, set()).add(name)
         shards[fqn] = [nodes.emit(node) for node in shard_nodes]
         sharding[fqn] = sharding_summary(md.size, md.chunks)
     logical = sum(T.nbytes_of(_element_size(md.properties.dtype), list(md.size))
@@ -449,7 +480,22 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
             "metadata": nodes.emit({"k": "value", "v": plain}),
             "tensors": nodes.emit({"k": "value", "v": shards}),
             "values": nodes.emit({"k": "value", "v": values})}
-    return _Manifest(nodes.emit({"k": "value", "v": root}), nodes, list(dict.fromkeys(keys)), logical, sharding)
+    return _Manifest(nodes.emit({"k": "value", "v": root}), nodes, list(dict.fromkeys(keys)), logical, sharding,
+                     replacements)
+
+
+def _replacements(fqn: str, data) -> dict[bytes, str]:
+    """A shard's {chunk key: temporary file name} of replacement files, each name checked to be
+    one a rank's FileObjects.stage gives for that key (a plain name in the store's tmp folder)."""
+    given = data.get(REPLACEMENTS, {}) if isinstance(data, dict) else {}
+    if not isinstance(given, dict):
+        raise CasError(f"a rank reported malformed replacement files for {fqn!r}")
+    for key, name in given.items():
+        if not (isinstance(key, bytes) and isinstance(name, str) and _TMP_NAME.fullmatch(name)
+                and name[1:65] == key.hex()):
+            raise CasError(f"a rank reported a replacement file {name!r} that is not one of its temporary files, "
+                           f"for {fqn!r}")
+    return given
 
 
 class _PendingCommit:
@@ -512,15 +558,20 @@ def _readable_roots(session: WriteSession, keys: list[bytes]) -> dict[bytes, byt
         if rec is not None and rec.where == WHERE_FILE and rec.base is None:
             roots[key] = chain[-1]
     if roots:
-        session.claim(list(set(roots.values())))
+        session.hold(list(set(roots.values())))
     return {k: r for k, r in roots.items() if session.depth(r) == 0}
 
 
-def _adopt_chunks(session: WriteSession, keys: list[bytes]) -> None:
-    """Index the chunk files the ranks reported (at commit). A key the index had in a pack (a
-    small chunk of an ordinary save) now points at the rank's file; gc drops the pack entry."""
-    for key in keys:
-        session.adopt(key)
+def _adopt_chunks(session: WriteSession, manifest: _Manifest) -> None:
+    """Index the chunk files the ranks reported (at commit). A key the index holds keeps its
+    record and file (in a pack too: a rank's file of it is left to gc); a rank's replacement
+    file takes the place of an unindexed one (WriteSession.adopt)."""
+    tmp = session.store.files.tmp_dir
+    for key in manifest.chunk_keys:
+        files = sorted(os.path.join(tmp, name) for name in manifest.replacements.get(key, ()))
+        session.adopt(key, files[0] if files else None)
+        for surplus in files[1:]:  # several ranks replaced the same file
+            unlink_quietly(surplus)
 
 
 # --- the writer ------------------------------------------------------------------------------
@@ -659,7 +710,7 @@ class CasWriter(StorageWriter):
         session = self._pending.session
         latest = functools.cache(functools.partial(_latest_shards, self._pending.store))
         return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(
-                    plan.storage_data, self.step, self.max_chain, session.claim, session.depth,
+                    plan.storage_data, self.step, self.max_chain, session.hold, session.depth,
                     functools.partial(_readable_roots, session), functools.partial(_seed, latest, plan)))
                 for plan in plans]
 
@@ -706,7 +757,7 @@ class CasWriter(StorageWriter):
     def _commit(self, pending: _PendingCommit, metadata: Metadata, results: list[list[WriteResult]]) -> Checkpoint:
         store, session = pending.store, pending.session
         manifest = build_manifest(metadata, results, store.chunk_size)
-        _adopt_chunks(session, manifest.chunk_keys)
+        _adopt_chunks(session, manifest)
         meta = {**self.meta, "dcp": {"world_size": len(results), "sharding": manifest.sharding}}
         commit = commit_node(step=self.step, created=pending.created, milestone=self.milestone,
                              metrics=self.metrics, meta=meta, tree=manifest.tree,

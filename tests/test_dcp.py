@@ -506,10 +506,11 @@ def test_a_corrupt_chunk_fails_the_load_and_verify(tmp_path):
         assert store.verify().damaged_steps == [1]
 
 
-def test_a_dcp_save_does_not_reuse_delta_objects_of_ordinary_saves(tmp_path):
-    """An ordinary save with delta=True may store a chunk as a delta against an older
-    chunk. The DCP save of the same bytes must not depend on that base: once the ordinary
-    checkpoints are gone and gc has run, it still loads and verifies."""
+def test_a_dcp_save_of_chunks_stored_as_deltas_by_ordinary_saves_keeps_them_restorable(tmp_path):
+    """An ordinary save with delta=True may store a chunk as a delta against an older chunk.
+    The DCP save of the same bytes references those objects as they are (ranks never change an
+    indexed file): once the ordinary checkpoints are gone and gc has run, it still loads and
+    verifies, its chunks' bases kept by gc."""
     path = tmp_path / "s"
     w1 = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
     w2 = w1 + 1e-6 * torch.randn(256, 256, generator=torch.Generator().manual_seed(6))
@@ -655,6 +656,66 @@ def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
     assert not any(r.base in step2 for r in records.values())
     loaded = load_mlp(path, 3, refs[3])
     assert [k for k in refs[3] if not same_bits(loaded[k], refs[3][k])] == []
+
+
+def _rolled_back_states() -> dict[int, torch.Tensor]:
+    """Steps 1-3 move a weight; step 4 is step 2's weight again (a rollback), whose chunks are
+    stored as deltas, of step 1's, and step 3's chunks are deltas of them."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(128, 256, generator=g)
+    w2 = w1 + 1e-4 * torch.randn(128, 256, generator=g)
+    w3 = w2 + 1e-4 * torch.randn(128, 256, generator=g)
+    return {1: w1, 2: w2, 3: w3, 4: w2.clone()}
+
+
+def _loads_bit_for_bit(path: str, step: int, want: torch.Tensor) -> bool:
+    out = {"w": torch.zeros_like(want)}
+    cdcp.load(out, path, step, no_dist=True)
+    return same_bits(out["w"], want)
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_rollback_resaved_through_dcp_leaves_every_checkpoint_restorable(tmp_path, restarted):
+    """Saving an earlier checkpoint's state again: its chunks are stored deltas this rank cannot
+    see confirmed. A rank once re-coded them against its current base, over the live files:
+    step 3's chunk was a delta of step 2's and step 2's became a delta of step 3's, a cycle that
+    broke steps 2 to 5. Indexed files never change now; the save references them as they are."""
+    path = str(tmp_path / "s")
+    states = _rolled_back_states()
+    states[5] = states[3] + 1e-4 * torch.randn(128, 256, generator=torch.Generator().manual_seed(1))
+    for step, w in states.items():
+        if restarted and step == 4:
+            cdcp.dcp_bases.replace(os.path.abspath(path), None)  # a new process: bases seeded, read back
+        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+    assert [s for s, w in states.items() if not _loads_bit_for_bit(path, s, w)] == []
+    with cas.open(path, readonly=True) as store:
+        assert store.verify().ok
+        assert store.tensors(4)[0]["chunks"] == store.tensors(2)[0]["chunks"]
+        assert all(store.objects.record(k).base is not None for k in store.tensors(2)[0]["chunks"])
+
+
+def test_a_failed_dcp_save_changes_no_file_of_committed_checkpoints(tmp_path):
+    """The rollback save fails at its commit: the stored deltas it would have re-coded (and the
+    full objects it would have written in their place) are untouched: the replacements it wrote
+    stay temporary files (gc removes them once their process has exited)."""
+    path = str(tmp_path / "s")
+    states = _rolled_back_states()
+    for step in (1, 2, 3):
+        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+    with cas.open(path, readonly=True) as store:
+        before = {k: open(store.objects.files.path(k), "rb").read() for k in store.objects.files.iterate()}
+    for delta in (True, False):
+        faults.configure("dcp.finish=raise")
+        try:
+            with pytest.raises(faults.InjectedFault):
+                cdcp.save({"w": states[4]}, path, 4, no_dist=True, chunk_size=CHUNK, delta=delta)
+        finally:
+            faults.configure("")
+    with cas.open(path, readonly=True) as store:
+        assert {k: open(store.objects.files.path(k), "rb").read() for k in before} == before
+    assert [s for s in (1, 2, 3) if not _loads_bit_for_bit(path, s, states[s])] == []
+    cdcp.save({"w": states[4]}, path, 4, no_dist=True, chunk_size=CHUNK, delta=True)
+    assert _loads_bit_for_bit(path, 4, states[4])
 
 
 def test_a_cached_plan_of_another_step_confirms_no_base():
