@@ -126,7 +126,7 @@ def without_shared_memory(targets: dict[str, torch.Tensor]) -> dict[str, torch.T
     A target left out gets a new tensor, which load_state_dict copies into the shared memory."""
     spans = sorted((t.data_ptr(), order, t.data_ptr() + t.numel() * t.element_size(), path)
                    for order, (path, t) in enumerate(targets.items())
-                   if t.device.type == "cpu" and t.numel() and t.is_contiguous())
+                   if t.device.type == "cpu" and t.layout == torch.strided and t.numel() and t.is_contiguous())
     overlapping, reach = set(), 0
     for start, _, end, path in spans:
         if start < reach:
@@ -141,8 +141,8 @@ def output_for(node: dict, dest=None) -> tuple[object, np.ndarray]:
     if node["lib"] == "numpy":
         return empty_numpy(node["dtype"], node["shape"])
     dtype = torch_dtype(node["dtype"])
-    if (isinstance(dest, torch.Tensor) and dest.device.type == "cpu" and dest.dtype == dtype
-            and list(dest.shape) == node["shape"] and dest.is_contiguous() and dest.numel()
+    if (isinstance(dest, torch.Tensor) and dest.device.type == "cpu" and dest.layout == torch.strided
+            and dest.dtype == dtype and list(dest.shape) == node["shape"] and dest.is_contiguous() and dest.numel()
             and not dest.is_conj() and not dest.is_neg()):
         return dest, flat_bytes(dest).numpy()
     return empty_torch(node["dtype"], node["shape"])
