@@ -69,6 +69,8 @@ class FileObjects(FanoutDir):
                 return f.read(nbytes)
         except FileNotFoundError:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
+        except OSError as exc:  # a directory, a symlink loop, unreadable: as get() reports them
+            raise MissingObjectError(f"object file cannot be read: {exc}", key=to_hex(key)) from None
 
     def put(self, key: bytes, parts: Iterable) -> None:
         self.publish([self.stage(key, parts, fsync=True)], fsync=False)

@@ -100,7 +100,7 @@ def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.n
         except CorruptionError as exc:
             if i == 0:
                 raise
-            raise CorruptionError(f"the delta base of this object is unreadable: {exc.detail}",
+            raise CorruptionError(f"its delta base {exc.key or key.hex()} is unreadable: {exc.detail}",
                                   key=top.hex()) from None
     return bufs[0]
 

@@ -56,6 +56,10 @@ class PackFiles(FanoutDir):
         except OSError as exc:
             raise MissingObjectError(f"pack {to_hex(pack)} cannot be read: {exc}", key=to_hex(key)) from None
         try:
+            size = os.fstat(fd).st_size
+            if offset < 0 or length < 0 or offset + length > size:  # a damaged record asks for more
+                raise CorruptionError(f"pack {to_hex(pack)} holds {size} bytes, the index places the object at "
+                                      f"{offset}..{offset + length}", key=to_hex(key))
             data = os.pread(fd, length, offset)
         finally:
             os.close(fd)

@@ -815,8 +815,7 @@ def read_manifest(given: Store | None, path: str, step: int | None) -> _Loaded:
     """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile."""
     with _opened(given, path, create=False, readonly=True) as store:
         ck = _resolve(store, step)
-        commit = parse_node(store.objects.get(ck.key).tobytes(), ck.key)
-        root = _read_node(store, commit["tree"], "value", ck.step, "")["v"]
+        root = _read_node(store, store._commit(ck)["tree"], "value", ck.step, "")["v"]
         if not (isinstance(root, dict) and isinstance(root.get("dcp"), dict)):
             raise CasError(f"checkpoint step {ck.step} was not saved through DCP; load it with Store.load")
         if root["dcp"].get("format") != DCP_FORMAT:

@@ -69,7 +69,9 @@ def read_config(layout: Layout) -> Config:
     except FileNotFoundError:
         raise NotAStoreError(f"{layout.root} is not a cas store (it has no {CONFIG_NAME} file); "
                              "open an empty or missing folder to create one") from None
-    except (ValueError, IsADirectoryError, PermissionError) as exc:
+    except NotADirectoryError:
+        raise NotAStoreError(f"{layout.root} is not a cas store: it is a file, not a folder") from None
+    except (ValueError, OSError) as exc:  # a directory named config, no permission, an I/O error
         raise NotAStoreError(f"{layout.root} is not a readable cas store: {exc}") from None
     if not data.startswith(CONFIG_MAGIC):
         raise NotAStoreError(f"{layout.root} is not a cas store: its {CONFIG_NAME} file is not a cas config")

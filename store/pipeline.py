@@ -139,8 +139,11 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
         out.append(None)
         if depth is not None and max_chain > 0:
             full[n] = cand[0]
-    chains = session.store.chains(full.values()) if full else {}
-    roots = {n: chains[top][-1] for n, top in full.items()}
+    try:
+        chains = session.store.chains(full.values()) if full else {}
+    except CorruptionError:  # a damaged index (a cycle of bases) is verify's to report: these chunks go whole
+        chains = {}
+    roots = {n: chains[top][-1] for n, top in full.items() if top in chains}
     if roots:  # held from here on, so no gc can take a root before the commit
         present = session.hold(list(roots.values()))
         for (n, root), ok in zip(roots.items(), present):

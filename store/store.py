@@ -412,8 +412,20 @@ class Store:
                 loaded[key] = target
         return loaded
 
+    def _commit(self, ck: Checkpoint) -> dict:
+        """The commit node a registry record names, which must be that step's commit: a damaged
+        or crafted record naming another node, or another step's commit, is refused instead
+        of loading what it names."""
+        node = self._node(ck.key, ck.step)
+        if node["k"] != "commit":
+            raise CorruptionError(f"the registry names a {node['k']} node as this checkpoint's commit",
+                                  key=ck.id, step=ck.step)
+        if node["step"] != ck.step:
+            raise CorruptionError(f"the registry names the commit of step {node['step']}", key=ck.id, step=ck.step)
+        return node
+
     def _top_value(self, ck: Checkpoint):
-        root = self._node(ck.key, ck.step)["tree"]
+        root = self._commit(ck)["tree"]
         tree = self._node(root.key, ck.step)
         return tree["v"] if tree["k"] == "value" else root
 
@@ -570,7 +582,7 @@ class Store:
             elif node["k"] == "tensor":
                 out.append((path, node))
 
-        root = self._node(ck.key, ck.step)["tree"]
+        root = self._commit(ck)["tree"]
         visit(root, "")
         return out
 

@@ -118,3 +118,14 @@ def test_installed_console_script(filled):
         pytest.skip("the cas console script is not installed in this environment")
     out = subprocess.run([exe, "ls", "--store", str(filled)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "300" in out.stdout
+
+
+def test_du_counts_an_object_path_that_is_a_folder_as_unreadable(filled):
+    with cas.open(filled) as store:
+        key = next(k for t in store.tensors(300) for k in t["chunks"] if store.objects.files.has(k))
+        path = store.objects.files.path(key)
+    os.unlink(path)
+    os.mkdir(path)
+    out = run("du", "--json", store=filled)
+    assert out.returncode == 0, out.stderr
+    assert "unreadable" in json.loads(out.stdout)["codecs"]

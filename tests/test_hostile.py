@@ -4,6 +4,7 @@ memory, changes nothing, and never yields wrong data."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import msgpack
@@ -162,3 +163,51 @@ def test_lmdb_record_damage_is_reported_by_name(store):
         txn.put(key, b"\x07garbage", db=store.index.db("objects"))
     with pytest.raises(CasError, match="cas repair"):
         store.load(1)
+
+
+@pytest.mark.parametrize("field,value", [("stored_size", 2**40), ("offset", 2**63 + 5)])
+def test_a_pack_record_reaching_past_its_pack_is_named(store, field, value):
+    """A damaged record could ask for a terabyte (MemoryError) or an offset os.pread refuses
+    (OverflowError): it is refused against the pack's size instead."""
+    store.save({"small": torch.arange(100)}, step=1)
+    key = store.tensors(1)[0]["chunks"][0]
+    rec = store.objects.record(key)
+    assert rec.where == WHERE_PACK
+    with store.index.write() as txn:
+        store.index.put_record(txn, key, dataclasses.replace(rec, **{field: value}))
+    with pytest.raises(CorruptionError, match=key.hex()):
+        store.load(1)
+    assert not store.verify().ok
+
+
+@pytest.mark.parametrize("names", ["a value node", "another step's commit"])
+def test_a_registry_record_must_name_its_own_steps_commit(store, names):
+    """A damaged or crafted registry id naming some other node must not load what it names
+    (another step's commit loaded that step's state, silently; a value node raised KeyError)."""
+    _saved(store)
+    ck = store.get(2)
+    if names == "a value node":
+        other = parse_node(store.objects.get(ck.key).tobytes(), ck.key)["tree"].key.hex()
+    else:
+        other = store.get(1).id
+    with store.index.write() as txn:
+        store.registry.update(txn, dataclasses.replace(ck, id=other))
+    with pytest.raises(CorruptionError, match="registry names"):
+        store.load(2)
+    assert store.verify().damaged_steps == [2]
+
+
+def test_a_cycle_of_bases_in_the_index_makes_the_next_save_write_whole(tmp_path):
+    """The latest chunks' records form a cycle at the chain bound: the save looking up their
+    chains' roots writes those chunks whole (verify reports the damage) instead of failing."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g)
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=1) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w + 1e-4}, step=2)
+        for key in store.tensors(2)[0]["chunks"]:
+            base = store.objects.record(key).base
+            with store.index.write() as txn:
+                store.index.put_record(txn, base, dataclasses.replace(store.objects.record(base), base=key, depth=2))
+        store.save({"w": w + 2e-4}, step=3)
+        assert torch.equal(store.load(3)["w"], w + 2e-4)
