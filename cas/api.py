@@ -7,7 +7,9 @@ module composes them into what `cas.open` returns.
 from __future__ import annotations
 
 import os
+import warnings
 
+from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
 from .store import Checkpoint, interop
 from .store import Store as CheckpointStore
@@ -71,5 +73,12 @@ class Store(CheckpointStore):
         return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)
 
     def _after_commit(self, ck: Checkpoint) -> None:
+        """Retention after every committed save. A gc that fails here (damage it refuses to sweep
+        past, another process removing checkpoints throughout) must not make the committed save
+        look failed: it warns, and the next save's gc tries again."""
         if self.retention is not None:
-            collect(self, self.retention)
+            try:
+                collect(self, self.retention)
+            except CasError as exc:
+                warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed: {exc}",
+                              RuntimeWarning, stacklevel=2)

@@ -50,11 +50,7 @@ def publish(tmp: str, path: str, *, fsync: bool = False) -> None:
     all of it under `path` or nothing."""
     try:
         if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         unlink_quietly(tmp)
@@ -64,6 +60,15 @@ def publish(tmp: str, path: str, *, fsync: bool = False) -> None:
 def atomic_write(path: str, parts, *, tmp_dir: str | None = None) -> None:
     """Write `parts` to `path` durably, so that `path` holds either nothing or all of them."""
     publish(write_tmp(path, parts, tmp_dir=tmp_dir), path)
+
+
+def fsync_file(path: str) -> None:
+    """Make a written file's bytes durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

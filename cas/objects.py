@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from .errors import MissingObjectError
 from .fanout import FanoutDir
-from .fsutil import fsync_dir, publish, read_file, unlink_quietly, write_tmp
+from .fsutil import fsync_dir, fsync_file, publish, read_file, unlink_quietly, write_tmp
 from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
@@ -96,13 +96,16 @@ class FileObjects(FanoutDir):
             with self._lock:
                 self._dirty.add(directory)
 
-    def place_new(self, staged: tuple[str, bytes]) -> bool:
-        """Give a staged (already fsynced) file its object's name unless a file holds that name
-        already: False then, and the staged file is left as it is. For writers that cannot see
-        the index (DCP ranks): an existing file may be indexed, and other checkpoints decode
-        through it, so it must never change under them. A hard link is the atomic no-clobber
-        rename; where the filesystem has none, the check and the rename are two steps."""
+    def place_new(self, staged: tuple[str, bytes], *, fsync: bool = False) -> bool:
+        """Give a staged file its object's name (fsyncing it first when asked) unless a file
+        holds that name already: False then, and the staged file is left as it is. An existing
+        file may be indexed by another writer, and other checkpoints decode through it, so it
+        never changes under them; the writer decides with the index (WriteSession.commit and
+        adopt). A hard link is the atomic no-clobber rename; where the filesystem has none, the
+        check and the rename are two steps. sync() makes the new names durable."""
         tmp, key = staged
+        if fsync:
+            fsync_file(tmp)
         path = self.path(key)
         directory = os.path.dirname(path)
         made = directory not in self._made

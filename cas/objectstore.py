@@ -15,6 +15,7 @@ The index, not the presence of a file, decides dedup: a file left by a crash is 
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from typing import Callable, TypeVar
@@ -24,7 +25,7 @@ import numpy as np
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CorruptionError, MissingObjectError, StoreClosedError
-from .fsutil import unlink_quietly
+from .fsutil import fsync_dir, unlink_quietly
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
 from .packs import PACK_TARGET, PackFiles
@@ -206,6 +207,7 @@ class WriteSession:
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
+        self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._staged: list = []  # object files written, published (fsync, rename) at commit
         self._lock = threading.Lock()
         self._open = True
@@ -236,6 +238,7 @@ class WriteSession:
             with self._lock:
                 self._held.update(new)
                 self._records.update(found)
+                self._stale.update(k for k, rec in zip(new, records) if rec is not None and k not in found)
         with self._lock:
             return [key in self._records for key in keys]
 
@@ -336,7 +339,7 @@ class WriteSession:
         raw size; a delta keeps its base edge (gc follows it), whose base must be indexed."""
         with self.index.read() as txn:
             held = self.index.record(txn, key)
-        if held is not None and self._is_stored(key, held) and self._file_agrees(key, held):
+        if held is not None and self._holds(key, held):
             if replacement is not None:
                 unlink_quietly(replacement)
             return held.stored_size
@@ -359,6 +362,33 @@ class WriteSession:
                 self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size, base=head.base, depth=depth)
         return data_size
 
+    def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
+                replacing: bool) -> ObjectRecord | None:
+        """The record to index for an object this session wrote (inside the commit transaction,
+        `current` being the index's), or None to keep the index's as it is. A pack entry is
+        this session's own. An indexed file that matches its record stays: another writer's
+        object, which its checkpoints decode through. Else this session's file, already in
+        place or (`replacing`) about to replace an unindexed or mismatched one. Else another
+        writer's unindexed file of the same content replaced this session's (a commit that
+        failed after settling): indexed as it is, from its header."""
+        if rec.where == WHERE_PACK:
+            return rec
+        if current is not None and current != rec and self._holds(key, current):
+            return None
+        if replacing or self._holds(key, rec):
+            return rec
+        head = parse_header(self.store.files.head(key, 64), key=key)
+        base = self.index.record(txn, head.base) if head.base is not None else None
+        if head.base is not None and base is None:
+            raise CorruptionError("another writer replaced this object's file with a delta whose base is not "
+                                  "in the store", key=key.hex())
+        return ObjectRecord(WHERE_FILE, self.store.files.has(key), head.raw_size, base=head.base,
+                            depth=base.depth + 1 if base is not None else 0)
+
+    def _holds(self, key: bytes, rec: ObjectRecord) -> bool:
+        """Whether the store holds the object as `rec` describes it (size, and base for a file)."""
+        return self._is_stored(key, rec) and self._file_agrees(key, rec)
+
     def _file_agrees(self, key: bytes, rec: ObjectRecord) -> bool:
         """Whether an indexed file object's header names the base its record does (a pack entry
         is the pack's own)."""
@@ -371,19 +401,35 @@ class WriteSession:
 
     def commit(self, finish: Callable[[object], T]) -> T:
         """Make every written object durable, then in one transaction index them, run
-        `finish(txn)` and end the lease. If `finish` raises, nothing of it is committed."""
+        `finish(txn)` and end the lease. If `finish` raises, nothing of it is committed.
+
+        A file is never replaced outside that transaction: another writer may have written
+        and indexed the same object meanwhile, encoded otherwise (a delta of another base), and
+        its checkpoints decode through its file. So files take their names without replacing
+        any (place_new), and each name is settled inside the transaction, which LMDB runs one
+        at a time across processes (_settle)."""
         self._check_open()
         self._flush_pack()
-        self.store.files.publish(self._staged)
-        self._staged = []
+        taken = [staged for staged in self._staged if not self.store.files.place_new(staged, fsync=True)]
+        self._staged = taken  # discarded by abort() if the commit fails
         self.store.files.sync()
         faults.point("commit.synced")
+        replacements = {key: tmp for tmp, key in taken}
         with self.index.write() as txn:
+            settled = []
             for key, rec in self._written.items():
-                if self.index.record(txn, key) is None:
-                    self.new_bytes += rec.stored_size
-                self.index.put_record(txn, key, rec)
-            result = finish(txn)
+                current = self.index.record(txn, key)
+                chosen = self._settle(txn, key, rec, current, key in replacements)
+                if chosen is not None:
+                    if key in self._stale or current is None:
+                        self.new_bytes += chosen.stored_size
+                    settled.append((key, chosen))
+            result = finish(txn)  # before any file changes: it may refuse the commit
+            for key, chosen in settled:
+                if key in replacements:
+                    self.store.files.publish([(replacements[key], key)], fsync=False)
+                    fsync_dir(os.path.dirname(self.store.files.path(key)))
+                self.index.put_record(txn, key, chosen)
             self.index.end_lease(txn, self.lease)
             self.index.bump_generation(txn)
             faults.point("commit.in_txn")

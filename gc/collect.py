@@ -30,6 +30,7 @@ from cas.store.tree import node_children, parse_node
 from .retention import Retention
 
 SWEEP_BATCH = 512
+MARK_ATTEMPTS = 5  # marks restarted because another process removed checkpoints meanwhile
 Progress = Callable[[str, int, int], None]
 
 
@@ -64,11 +65,19 @@ class _Retry(Exception):
     """The registry changed under a sweep batch: mark the new roots, then try the batch again."""
 
 
-class Marker:
-    """The live set: every object reachable from the roots marked so far."""
+class _RegistryMoved(Exception):
+    """A manifest node vanished while it was being marked, and checkpoints were removed since
+    the mark began: another process deleted and swept them. Mark again from the registry."""
 
-    def __init__(self, store) -> None:
+
+class Marker:
+    """The live set: every object reachable from the roots marked so far. With `generation`
+    (the index's when the roots were read), an unreadable node is damage only if no checkpoint
+    was removed since (_RegistryMoved otherwise)."""
+
+    def __init__(self, store, generation: int | None = None) -> None:
         self.store = store
+        self.generation = generation
         self.live: set[bytes] = set()
         self.roots: set[bytes] = set()
 
@@ -83,6 +92,10 @@ class Marker:
             try:
                 node = parse_node(self.store.objects.get(key).tobytes(), key)
             except CorruptionError as exc:
+                if self.generation is not None:
+                    with self.store.index.read() as txn:
+                        if self.store.index.generation(txn) != self.generation:
+                            raise _RegistryMoved() from None
                 raise CasError(f"gc stopped before deleting anything of this pass: a manifest node is unreadable "
                                f"({exc}); run `cas verify` to see which checkpoints are damaged") from None
             self.live.add(key)
@@ -131,17 +144,30 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
 
 def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = frozenset(),
           progress: Progress | None = None) -> None:
-    """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest."""
-    index, files = store.index, store.objects.files
+    """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest.
+    When another process removes checkpoints while this one marks them, the mark starts over
+    from the registry (a few times at most); a sweep batch under way starts over the same way."""
     if not dry_run:
         report.leases_reaped = reap_dead_leases(store)
+    for attempt in range(MARK_ATTEMPTS):
+        try:
+            return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress)
+        except _RegistryMoved:
+            if attempt == MARK_ATTEMPTS - 1:
+                raise CasError(f"gc gave up: checkpoints were removed by another process during each of its "
+                               f"{MARK_ATTEMPTS} marks; run it again") from None
+
+
+def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes],
+                progress: Progress | None) -> None:
+    index, files = store.index, store.objects.files
     t0 = time.perf_counter()
     with index.read() as txn:
         generation = index.generation(txn)
         roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
         held = _held_with_bases(index, txn)
         records = dict(index.iter_records(txn))
-    marker = Marker(store)
+    marker = Marker(store, generation)
     marker.mark(roots, progress)
     on_disk = set(files.iterate())
     report.mark_seconds = time.perf_counter() - t0
@@ -156,7 +182,11 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
         report.objects_swept = len(candidates) + len(orphans)
         report.sweep_seconds = time.perf_counter() - t0
         return
-    todo = candidates + orphans
+    # Deltas before their bases (deeper first): a sweep batch that stops half way (a crash, an
+    # error) leaves records whose files are gone, which writers see as not stored; it must
+    # never leave a delta file whose base file is gone, which a writer would reuse or code against.
+    candidates.sort(key=lambda k: records[k].depth, reverse=True)
+    todo = orphans + candidates
     done = 0
     while done < len(todo):
         batch = todo[done:done + SWEEP_BATCH]
@@ -180,6 +210,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
                 faults.point("gc.sweep_batch")
         except _Retry as retry:
             generation, new_roots = retry.args
+            marker.generation = generation
             marker.mark(new_roots, progress)
             continue
         done += len(batch)

@@ -5,6 +5,7 @@
     <root>/objects/ab/…  large objects, one file each (cas.objects)
     <root>/packs/ab/…    small objects, many to a pack file (cas.packs)
     <root>/tmp/          temporary files of writes in progress
+    <root>/create.lock   flock'd while a store is created (processes may open a new path at once)
 
 Opening a folder that is not a store, or a store of another format version, fails before
 anything is created or changed.
@@ -12,10 +13,13 @@ anything is created or changed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import msgpack
 
@@ -25,6 +29,8 @@ from cas.fsutil import atomic_write, fsync_dir, read_file
 STORE_FORMAT = 1
 CONFIG_MAGIC = b"cas-store\n"
 CONFIG_NAME = "config"
+CREATE_LOCK = "create.lock"
+LAYOUT_FOLDERS = ("index", "objects", "packs", "tmp")
 DEFAULT_CHUNK_SIZE = 4 << 20  # see README, "Chunk size": dedup granularity vs. per-object cost
 MIN_CHUNK_SIZE = 64 << 10
 MAX_CHUNK_SIZE = 256 << 20
@@ -93,10 +99,31 @@ def read_config(layout: Layout) -> Config:
 
 
 def can_create(root: str) -> bool:
-    """A store may be created where nothing exists, or in an empty folder."""
+    """A store may be created where nothing exists, in an empty folder, or in one that only
+    a creation in progress or cut short could have made: our folders and lock file, with no
+    object or pack in them (anything else without a config is not ours to touch)."""
     if not os.path.lexists(root):
         return True
-    return os.path.isdir(root) and not os.path.islink(root) and not os.listdir(root)
+    if not os.path.isdir(root) or os.path.islink(root):
+        return False
+    entries = set(os.listdir(root))
+    if not entries <= {*LAYOUT_FOLDERS, CREATE_LOCK}:
+        return False
+    return not any(os.path.isdir(os.path.join(root, f)) and os.listdir(os.path.join(root, f))
+                   for f in ("objects", "packs"))
+
+
+@contextmanager
+def creation_lock(root: str) -> Iterator[None]:
+    """Held while a store is created at `root`: processes that open a new path at once (every
+    rank of a job, say) create it once, and the others then open it."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, CREATE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_chunk_size(chunk_size: int) -> None:

@@ -134,12 +134,18 @@ class Store:
         self._closed = False
 
     def _create(self, chunk_size: int) -> None:
+        """Create the store, unless another process did while this one waited for the lock."""
         L.check_chunk_size(chunk_size)
-        os.makedirs(self.path, exist_ok=True)
-        for folder in (self.layout.index, self.layout.objects, self.layout.packs, self.layout.tmp):
-            os.makedirs(folder, exist_ok=True)
-        Index(self.layout.index, create=True, extra_tables=(REGISTRY_TABLE,)).close()
-        L.write_config(self.layout, chunk_size=chunk_size)
+        with L.creation_lock(self.path):
+            if os.path.exists(self.layout.config):
+                return
+            if not L.can_create(self.path):  # someone put something else here meanwhile
+                L.read_config(self.layout)
+            for folder in (self.layout.index, self.layout.objects, self.layout.packs, self.layout.tmp):
+                os.makedirs(folder, exist_ok=True)
+            faults.point("store.creating")
+            Index(self.layout.index, create=True, extra_tables=(REGISTRY_TABLE,)).close()
+            L.write_config(self.layout, chunk_size=chunk_size)
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

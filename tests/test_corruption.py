@@ -79,3 +79,37 @@ def test_a_save_rewrites_an_object_whose_file_vanished(two_checkpoints):
     store.save(state, step=3)
     assert os.path.exists(path)
     assert store.verify().ok  # steps 1 and 2 are whole again too
+
+
+def _drifting_delta_store(path, steps: int = 3):
+    """A delta store whose step k>0 chunks are deltas of step k-1's (64 KiB chunks, files)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g)
+    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True)
+    for step in range(steps):
+        store.save({"w": w}, step=step)
+        w = w + 1e-4 * torch.randn(w.shape, generator=g)
+    return store
+
+
+def test_a_missing_delta_base_is_named_by_load_and_verify(tmp_path):
+    """Once the checkpoint that held a base is gone, the base lives only below other deltas:
+    the errors must name it, not only the delta on top."""
+    with _drifting_delta_store(tmp_path / "s") as store:
+        base = store.tensors(0)[0]["chunks"][0]
+        store.delete(0)
+        store.gc()
+        os.unlink(store.objects.files.path(base))
+        with pytest.raises(cas.CorruptionError, match=base.hex()):
+            store.load(2)
+        assert any(base.hex() in str(p) for p in store.verify().problems)
+
+
+def test_new_bytes_counts_an_object_rewritten_because_its_file_vanished(store):
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(3))
+    store.save({"w": w}, step=1)
+    key = store.tensors(1)[0]["chunks"][0]
+    size = store.objects.record(key).stored_size
+    os.unlink(store.objects.files.path(key))
+    ck = store.save({"w": w}, step=2)
+    assert store.objects.files.has(key) == size and ck.new_bytes >= size

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import msgpack
 import pytest
@@ -121,3 +124,43 @@ def test_closed_store_refuses_work(store_path):
     s.close()
     with pytest.raises(cas.StoreClosedError):
         s.checkpoints()
+
+
+def test_a_regular_file_is_not_a_store(tmp_path):
+    path = tmp_path / "afile"
+    path.write_bytes(b"hello")
+    with pytest.raises(cas.NotAStoreError, match="is a file, not a folder"):
+        cas.open(path)
+    assert path.read_bytes() == b"hello"
+
+
+def test_processes_opening_a_new_path_at_once_create_one_store(tmp_path):
+    """Every rank of a job may open the store at start: one creates it, the others wait and
+    open it (a process once found the folder half made and was refused)."""
+    path, flag = str(tmp_path / "s"), str(tmp_path / "go")
+    code = "import sys, cas; cas.open(sys.argv[1], chunk_size=64 << 10).close()"
+    first = subprocess.Popen([sys.executable, "-c", code, path], stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, CAS_FAULTS=f"store.creating=pause:{flag}"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag + ".reached"):  # paused with the folders made, no config yet
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.01)
+    second = subprocess.Popen([sys.executable, "-c", code, path], stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    open(flag, "w").close()
+    errors = [first.communicate(timeout=60)[1], second.communicate(timeout=60)[1]]
+    assert first.returncode == 0 and second.returncode == 0, errors
+    with cas.open(path, create=False) as store:
+        assert store.chunk_size == 64 << 10
+
+
+def test_a_creation_cut_short_is_finished_by_the_next_open(tmp_path):
+    path = tmp_path / "s"
+    for folder in ("index", "objects", "tmp"):
+        (path / folder).mkdir(parents=True)
+    with cas.open(path) as store:
+        store.save({"x": torch.ones(3)}, step=1)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "objects" / "ab").mkdir(parents=True)  # objects but no config: not ours to touch
+    with pytest.raises(cas.NotAStoreError):
+        cas.open(tmp_path / "t")

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from test_gc import assert_exactly_reachable
-from workers import state_of
+from workers import nudged, state_of, tensor
 
 import cas
+from cas import faults
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
 
@@ -145,3 +148,95 @@ def test_gc_reaps_the_lease_of_a_killed_save(tmp_path):
         assert report.leases_reaped == 1  # its staged files were never published: tmp is cleaned below
         assert_exactly_reachable(store)
         assert not os.listdir(store.layout.tmp)
+
+
+def test_a_sweep_stopped_in_any_batch_leaves_no_delta_file_without_its_base(tmp_path, monkeypatch):
+    """A sweep batch that stops half way (a crash, an error) has unlinked some files whose
+    records stay. Deltas go before their bases, so no delta file outlives its base file: a
+    save would otherwise reuse it, or code against it, and commit an unrestorable checkpoint."""
+    collect = importlib.import_module("cas.gc.collect")  # cas.gc re-exports a function named collect
+    monkeypatch.setattr(collect, "SWEEP_BATCH", 1)
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(256, 256, generator=g)]
+    for _ in range(2):
+        states.append(states[-1] + 1e-4 * torch.randn(256, 256, generator=g))
+    k = 0
+    while True:
+        k += 1
+        path = tmp_path / f"s{k}"
+        with cas.open(path, chunk_size=64 << 10, pack_max=0, delta=True, max_chain=2) as store:
+            store.save({"w": states[0]}, step=1)
+            store.save({"w": states[1]}, step=2)
+            store.forget([1, 2])
+            faults.configure(f"gc.sweep_batch=raise@{k}")
+            try:
+                store.gc()
+                break  # k is past the last batch
+            except faults.InjectedFault:
+                pass
+            finally:
+                faults.configure("")
+            with store.index.read() as txn:
+                records = dict(store.index.iter_records(txn))
+            for key, rec in records.items():
+                if rec.base is not None and store.objects.files.has(key) is not None:
+                    assert store.objects.files.has(rec.base) is not None, f"batch {k}: a delta outlived its base"
+            store.save({"w": states[1]}, step=3)  # reuses what is left (or rewrites it)
+            store.save({"w": states[2]}, step=4)  # codes against it
+            assert torch.equal(store.load(3)["w"], states[1]) and torch.equal(store.load(4)["w"], states[2])
+    assert k > 8  # every batch of the sweep was stopped once
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_two_writers_of_the_same_new_object_never_mix_one_file_and_the_other_record(tmp_path, killed):
+    """Both writers claim the same absent chunks; the parent codes them as deltas of its last
+    save, the child writes them whole. A commit used to rename its files over the other's
+    (committed or not) and overwrite the other's records: steps whose record and file came from
+    different writers no longer decoded, and a writer killed in between broke the other's
+    committed checkpoint. Names are settled inside the commit transaction now."""
+    path, flag = tmp_path / "s", str(tmp_path / "go")
+    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True)
+    try:
+        store.save({"t": tensor(7)}, step=1)
+        faults_spec = f"save.nodes_written=pause:{flag},commit.synced=kill" if killed else f"commit.synced=pause:{flag}"
+        child = spawn("save_nudged", path, 10, 7, faults=faults_spec)
+        wait_reached(flag, child)
+        store.save({"t": nudged(7)}, step=2)
+        assert any(store.objects.record(k).base is not None for k in store.tensors(2)[0]["chunks"])
+        open(flag, "w").close()
+        child.communicate(timeout=120)
+        assert child.returncode == (-9 if killed else 0)
+        for ck in store.checkpoints():
+            assert torch.equal(store.load(ck.step)["t"], tensor(7) if ck.step == 1 else nudged(7)), ck.step
+        assert [ck.step for ck in store.checkpoints()] == ([1, 2] if killed else [1, 2, 10])
+        assert store.verify().ok
+    finally:
+        store.close()
+
+
+def test_a_gc_whose_checkpoints_another_gc_removes_while_it_marks_starts_over(tmp_path):
+    """A `cas gc` cron and a store with Retention: one forgets and sweeps checkpoints the other
+    is marking. The marking gc used to stop on the vanished nodes with a false damage report."""
+    path, flag = tmp_path / "s", str(tmp_path / "go")
+    with open_store(path) as store:
+        for step in (1, 2, 3):
+            store.save(state_of([step, step + 10]), step=step)
+    child = spawn("gc", path, faults=f"gc.marking=pause:{flag}@1")
+    wait_reached(flag, child)
+    with open_store(path) as store:
+        store.gc(keep_last=1)
+    open(flag, "w").close()
+    finish(child)
+    with open_store(path) as store:
+        assert store.verify().ok and [ck.step for ck in store.checkpoints()] == [3]
+        assert_exactly_reachable(store)
+
+
+def test_a_retention_gc_that_fails_after_a_commit_warns_and_the_save_stands(tmp_path):
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, retention=cas.Retention(keep_last=5)) as store:
+        store.save(state_of([1]), step=1)
+        pack = store.objects.record(store.get(1).key).pack  # step 1's commit node: gone, so gc stops
+        os.unlink(store.objects.packs.path(pack))
+        with pytest.warns(RuntimeWarning, match="step 2 is committed, but the retention gc after it failed"):
+            ck = store.save(state_of([2]), step=2)
+        assert ck.step == 2 and torch.equal(store.load(2)["t2"], state_of([2])["t2"])

@@ -26,6 +26,17 @@ def save(path: str, step: int, seeds: str) -> None:
         store.save(state_of([int(s) for s in seeds.split("+")]), step=step)
 
 
+def nudged(seed: int) -> torch.Tensor:
+    """tensor(seed) moved by a few units in the last place: a delta store codes it as a delta."""
+    return tensor(seed) * (1 + 1e-6)
+
+
+def save_nudged(path: str, step: int, seed: int) -> None:
+    """Save {"t": nudged(seed)} without deltas: whole objects, another encoding of the same keys."""
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        store.save({"t": nudged(seed)}, step=step)
+
+
 def save_async(path: str, step: int, seeds: str) -> None:
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         store.save_async(state_of([int(s) for s in seeds.split("+")]), step=step).result()
@@ -74,6 +85,6 @@ def load_all(path: str) -> None:
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    fn = {"save": save, "save_async": save_async, "gc": gc, "save_loop": save_loop, "load_loop": load_loop,
-          "load_all": load_all}[cmd]
-    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_loop) else a for a in args])
+    fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "gc": gc, "save_loop": save_loop,
+          "load_loop": load_loop, "load_all": load_all}[cmd]
+    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_loop) else a for a in args])
