@@ -7,14 +7,34 @@ never modified; the only other writes are the store's config at creation.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import socket
 import threading
 from typing import Callable
 
 
+def host_tag() -> str:
+    """This host's name as it goes into temporary file names (letters, digits and dashes): gc
+    removes a dead writer's temporary files only on the host where it ran, since a process id
+    says nothing about a process on another host sharing the filesystem."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+
+
 def tmp_name(directory: str, stem: str) -> str:
-    """A temporary path no other writer (process or thread) will pick."""
-    return os.path.join(directory, f".{stem}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp")
+    """A temporary path no other writer (process or thread, on any host) will pick:
+    `.<stem>.<host>.<pid>.<thread>.<random>.tmp`."""
+    return os.path.join(directory, f".{stem}.{host_tag()}.{os.getpid()}.{threading.get_ident()}."
+                                   f"{secrets.token_hex(4)}.tmp")
+
+
+def tmp_owner(name: str) -> tuple[str | None, int] | None:
+    """(host, pid) of a temporary file's writer from its name (host None in names written
+    before hosts were recorded); None for a name that is not one of ours."""
+    parts = name.split(".")
+    if not name.endswith(".tmp") or len(parts) < 6 or not parts[-4].isdigit():
+        return None
+    return (parts[-5] if len(parts) >= 7 else None), int(parts[-4])
 
 
 def write_parts(fd: int, parts) -> int:
@@ -60,6 +80,12 @@ def publish(tmp: str, path: str, *, fsync: bool = False) -> None:
 def atomic_write(path: str, parts, *, tmp_dir: str | None = None) -> None:
     """Write `parts` to `path` durably, so that `path` holds either nothing or all of them."""
     publish(write_tmp(path, parts, tmp_dir=tmp_dir), path)
+
+
+def read_head(path: str, nbytes: int) -> bytes:
+    """The first `nbytes` of a file (an object's header)."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read(nbytes)
 
 
 def fsync_file(path: str) -> None:

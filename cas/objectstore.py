@@ -25,7 +25,7 @@ import numpy as np
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CorruptionError, MissingObjectError, StoreClosedError
-from .fsutil import fsync_dir, unlink_quietly
+from .fsutil import fsync_dir, read_head, unlink_quietly
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .objects import ObjectBackend
 from .packs import PACK_TARGET, PackFiles
@@ -208,6 +208,7 @@ class WriteSession:
         self._written: dict[bytes, ObjectRecord] = {}
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
+        self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
         self._staged: list = []  # object files written, published (fsync, rename) at commit
         self._lock = threading.Lock()
         self._open = True
@@ -305,7 +306,10 @@ class WriteSession:
         return enc.size
 
     def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord) -> None:
-        """Store an already encoded object again (gc's repacking moves live objects this way)."""
+        """Store an already encoded object again (gc's repacking moves live objects this way):
+        its new record replaces the index's at the commit."""
+        with self._lock:
+            self._moves.add(key)
         self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)
 
     def _add_small(self, key: bytes, blob: bytes, raw_size: int, base: bytes | None, depth: int) -> None:
@@ -333,10 +337,11 @@ class WriteSession:
         touch LMDB); returns its stored size. An object the index holds keeps its record and its
         file (other checkpoints decode through them: a save never changes either). `replacement`
         is a rank's fsynced temporary file of the same content, written because it could not
-        tell whether the existing file is sound to reference: it takes that file's place only
-        when the index does not hold the key (or holds it with no matching file), and is
-        discarded otherwise. A file indexed here must have a header that parses and gives its
-        raw size; a delta keeps its base edge (gc follows it), whose base must be indexed."""
+        tell whether the existing file is sound to reference: it is staged like this session's
+        own files, so the commit transaction settles it (it takes that file's place only when
+        the index does not hold the key with a matching file). The file indexed must have a
+        header that parses and gives its raw size; a delta keeps its base edge (gc follows it),
+        whose base must be indexed."""
         with self.index.read() as txn:
             held = self.index.record(txn, key)
         if held is not None and self._holds(key, held):
@@ -344,11 +349,18 @@ class WriteSession:
                 unlink_quietly(replacement)
             return held.stored_size
         if replacement is not None:
-            self.store.files.publish([(replacement, key)], fsync=False)  # the rank fsynced it
-        data_size = self.store.files.has(key)
-        if data_size is None:
-            raise MissingObjectError("an object a distributed writer reported is not in the store", key=key.hex())
-        head = parse_header(self.store.files.head(key, 64), key=key)
+            try:
+                size, header = os.path.getsize(replacement), read_head(replacement, 64)
+            except OSError as exc:
+                raise MissingObjectError(f"a distributed writer's replacement file cannot be read: {exc}",
+                                         key=key.hex()) from None
+        else:
+            size = self.store.files.has(key)
+            if size is None:
+                raise MissingObjectError("an object a distributed writer reported is not in the store",
+                                         key=key.hex())
+            header = self.store.files.head(key, 64)
+        head = parse_header(header, key=key)
         depth = 0
         if head.base is not None:  # a delta keeps its base edge, which gc follows
             with self.index.read() as txn:
@@ -358,24 +370,29 @@ class WriteSession:
                                          "in the store", key=head.base.hex())
             depth = base.depth + 1
         with self._lock:
-            if key not in self._written:
-                self._written[key] = ObjectRecord(WHERE_FILE, data_size, head.raw_size, base=head.base, depth=depth)
-        return data_size
+            if key in self._written:
+                if replacement is not None:
+                    unlink_quietly(replacement)
+                return size
+            self._written[key] = ObjectRecord(WHERE_FILE, size, head.raw_size, base=head.base, depth=depth)
+            if replacement is not None:
+                self._staged.append((replacement, key))
+        return size
 
     def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
                 replacing: bool) -> ObjectRecord | None:
         """The record to index for an object this session wrote (inside the commit transaction,
-        `current` being the index's), or None to keep the index's as it is. A pack entry is
-        this session's own. An indexed file that matches its record stays: another writer's
-        object, which its checkpoints decode through. Else this session's file, already in
-        place or (`replacing`) about to replace an unindexed or mismatched one. Else another
-        writer's unindexed file of the same content replaced this session's (a commit that
-        failed after settling): indexed as it is, from its header."""
-        if rec.where == WHERE_PACK:
-            return rec
-        if current is not None and current != rec and self._holds(key, current):
+        `current` being the index's), or None to keep the index's as it is. An indexed object
+        the store holds as its record says stays, file or pack entry: another writer's, which
+        its checkpoints decode through (deltas above it read its base and depth), unless this
+        session moves that very object (gc's repacking). Else this session's pack entry, or its
+        file, already in place or (`replacing`) about to replace an unindexed or mismatched
+        one. Else another writer's unindexed file of the same content replaced this session's
+        (a commit that failed after settling): indexed as it is, from its header."""
+        if (current is not None and current != rec and key not in self._moves
+                and self._holds(key, current)):
             return None
-        if replacing or self._holds(key, rec):
+        if rec.where == WHERE_PACK or replacing or self._holds(key, rec):
             return rec
         head = parse_header(self.store.files.head(key, 64), key=key)
         base = self.index.record(txn, head.base) if head.base is not None else None
@@ -427,13 +444,15 @@ class WriteSession:
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:
                 if key in replacements:
-                    self.store.files.publish([(replacements[key], key)], fsync=False)
+                    self.store.files.publish([(replacements.pop(key), key)], fsync=False)
                     fsync_dir(os.path.dirname(self.store.files.path(key)))
                 self.index.put_record(txn, key, chosen)
             self.index.end_lease(txn, self.lease)
             self.index.bump_generation(txn)
             faults.point("commit.in_txn")
         self._open = False
+        self.store.files.discard([(tmp, key) for key, tmp in replacements.items()])  # the index's stayed
+        self._staged = []
         return result
 
     def abort(self) -> None:

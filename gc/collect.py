@@ -23,6 +23,7 @@ from typing import Callable
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
+from cas.fsutil import host_tag, tmp_owner
 from cas.index import WHERE_PACK
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
@@ -219,7 +220,10 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     if report.deferred is None:
         compact_packs(store, report)
     files.sync()
-    clean_tmp(store)
+    with index.read() as txn:
+        barrier = _barrier(index, txn)
+    if not barrier:  # a DCP save's ranks leave replacement files in tmp/ for its commit
+        clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
 
 
@@ -332,12 +336,12 @@ def reap_dead_leases(store) -> int:
 
 
 def clean_tmp(store) -> None:
-    """Remove temporary files that writers on this host left when they died."""
-    tmp = store.layout.tmp
+    """Remove temporary files that writers on this host left when they died (a writer on
+    another host sharing the filesystem, a DCP rank, is not judged by a local process id)."""
+    tmp, host = store.layout.tmp, host_tag()
     for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
-        parts = name.split(".")
-        pid = parts[-4] if len(parts) >= 5 and name.endswith(".tmp") else ""
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        owner = tmp_owner(name)
+        if owner is not None and owner[0] in (host, None) and not _pid_alive(owner[1]):
             try:
                 os.unlink(os.path.join(tmp, name))
             except FileNotFoundError:

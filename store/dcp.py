@@ -113,7 +113,7 @@ READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while 
 HEADER_BYTES = 64  # enough for any object header (cas.codecs), a delta's base key included
 ABSENT, REUSABLE, REPLACE = "absent", "reusable", "replace"  # a rank's view of an existing object file
 REPLACEMENTS = "replacements"  # in a tensor's WriteResult: {chunk key: temporary file name}
-_TMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # cas.fsutil.tmp_name's, for an object
+_TMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # fsutil.tmp_name's
 
 
 class DistributedCheckpointError(CasError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ def can_create(root: str) -> bool:
     entries = set(os.listdir(root))
     if not entries <= {*LAYOUT_FOLDERS, CREATE_LOCK}:
         return False
+    lock = os.path.join(root, CREATE_LOCK)
+    if CREATE_LOCK in entries and not stat.S_ISREG(os.lstat(lock).st_mode):  # a link or a folder: not ours
+        return False
     return not any(os.path.isdir(os.path.join(root, f)) and os.listdir(os.path.join(root, f))
                    for f in ("objects", "packs"))
 
@@ -118,7 +122,10 @@ def creation_lock(root: str) -> Iterator[None]:
     """Held while a store is created at `root`: processes that open a new path at once (every
     rank of a job, say) create it once, and the others then open it."""
     os.makedirs(root, exist_ok=True)
-    fd = os.open(os.path.join(root, CREATE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(os.path.join(root, CREATE_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:  # a folder or a symlink in its place, no permission
+        raise NotAStoreError(f"cannot create a store at {root}: its {CREATE_LOCK} cannot be opened ({exc})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

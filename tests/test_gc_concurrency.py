@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from test_gc import assert_exactly_reachable
-from workers import nudged, state_of, tensor
+from workers import nudged, state_of, tensor, trajectory
 
 import cas
 from cas import faults
@@ -240,3 +240,77 @@ def test_a_retention_gc_that_fails_after_a_commit_warns_and_the_save_stands(tmp_
         with pytest.warns(RuntimeWarning, match="step 2 is committed, but the retention gc after it failed"):
             ck = store.save(state_of([2]), step=2)
         assert ck.step == 2 and torch.equal(store.load(2)["t2"], state_of([2])["t2"])
+
+
+def test_a_pack_entry_never_replaces_another_writers_committed_record(tmp_path):
+    """A writer with objects in packs commits after another indexed the same chunk as a file
+    delta and coded a `linear` delta over it: the committed record (its base, its depth, which
+    the linear level above reads) stays; the late pack entry is dropped."""
+    path, flag = tmp_path / "s", str(tmp_path / "go")
+    with cas.open(path, chunk_size=256 << 10, delta=True) as store:
+        store.save({"w": trajectory(0)}, step=0)
+        child = spawn("save_packed", path, 100, 1, faults=f"commit.synced=pause:{flag}")
+        wait_reached(flag, child)  # it claimed trajectory(1)'s chunk (absent) and packed it whole
+        store.save({"w": trajectory(1)}, step=1)
+        store.save({"w": trajectory(2)}, step=2)
+        assert store.objects.codec_of(store.tensors(2)[0]["chunks"][0]).startswith("linear")
+        open(flag, "w").close()
+        finish(child)
+        for step in (0, 1, 2, 100):
+            assert torch.equal(store.load(step)["w"], trajectory(min(step, 1) if step == 100 else step)), step
+        assert store.verify().ok
+
+
+def test_a_writer_whose_objects_another_committed_first_keeps_theirs_and_leaves_no_files(tmp_path):
+    """This process codes the chunks as deltas and pauses before its commit; a child commits the
+    same chunks whole. At its commit the names are taken and the child's records stay: this
+    process's copies must not stay behind in tmp/ (gc spares a live process's files)."""
+    import threading
+    path, flag = tmp_path / "s", str(tmp_path / "go")
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True) as store:
+        store.save({"t": tensor(7)}, step=1)
+        faults.configure(f"save.nodes_written=pause:{flag}")
+        errors: list = []
+        saver = threading.Thread(target=lambda: _record_error(errors, store.save, {"t": nudged(7)}, step=2))
+        saver.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag + ".reached"):
+                assert saver.is_alive() and time.monotonic() < deadline
+                time.sleep(0.01)
+            finish(spawn("save_nudged", path, 10, 7))
+        finally:
+            faults.configure("")
+            open(flag, "w").close()
+            saver.join(60)
+        assert not errors, errors
+        assert all(store.objects.record(k).base is None for k in store.tensors(2)[0]["chunks"])  # the child's
+        for ck in store.checkpoints():
+            assert torch.equal(store.load(ck.step)["t"], tensor(7) if ck.step == 1 else nudged(7)), ck.step
+        assert os.listdir(store.layout.tmp) == []
+
+
+def _record_error(errors: list, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test asserts there was none
+        errors.append(exc)
+
+
+def test_gc_removes_only_this_hosts_dead_writers_temporary_files_and_none_during_a_barrier(tmp_path):
+    """A rank on another host of a shared filesystem (its pid means nothing here), or a DCP
+    rank's replacement waiting for the coordinator's commit, keeps its temporary files."""
+    from cas.fsutil import host_tag
+    with open_store(tmp_path / "s") as store:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        ours = f".{'ab' * 32}.{host_tag()}.{dead}.1.00000000.tmp"
+        theirs = f".{'cd' * 32}.other-host.{dead}.1.00000000.tmp"
+        for name in (ours, theirs):
+            open(os.path.join(store.layout.tmp, name), "wb").close()
+        barrier = store.objects.session("barrier:dcp step 5")
+        store.gc()
+        assert sorted(os.listdir(store.layout.tmp)) == sorted([ours, theirs])
+        barrier.abort()
+        store.gc()
+        assert os.listdir(store.layout.tmp) == [theirs]

@@ -37,6 +37,24 @@ def save_nudged(path: str, step: int, seed: int) -> None:
         store.save({"t": nudged(seed)}, step=step)
 
 
+def trajectory(i: int) -> torch.Tensor:
+    """State i of a weight moving steadily (momentum): a delta store codes state 2 on as
+    `linear` deltas of the two before."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 1024, generator=g)
+    velocity = 1e-3 * torch.randn(64, 1024, generator=g)
+    for _ in range(i + 1):
+        velocity = 0.95 * velocity + 5e-5 * torch.randn(64, 1024, generator=g)
+        w = w + velocity
+    return w
+
+
+def save_packed(path: str, step: int, i: int) -> None:
+    """Save {"w": trajectory(i)} whole with every object in a pack (pack_max huge)."""
+    with cas.open(path, chunk_size=256 << 10, pack_max=1 << 30) as store:
+        store.save({"w": trajectory(i)}, step=step)
+
+
 def save_async(path: str, step: int, seeds: str) -> None:
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         store.save_async(state_of([int(s) for s in seeds.split("+")]), step=step).result()
@@ -85,6 +103,7 @@ def load_all(path: str) -> None:
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "gc": gc, "save_loop": save_loop,
-          "load_loop": load_loop, "load_all": load_all}[cmd]
-    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_loop) else a for a in args])
+    fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "save_packed": save_packed, "gc": gc,
+          "save_loop": save_loop, "load_loop": load_loop, "load_all": load_all}[cmd]
+    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_packed, save_loop) else a
+         for a in args])
