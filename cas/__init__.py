@@ -12,7 +12,7 @@ import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
                      FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
-                     StoreClosedError, StoreWriteError)
+                     StateMismatchError, StoreClosedError, StoreWriteError)
 
 from .api import Store
 from .gc import GcReport, Retention
@@ -35,4 +35,4 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 
 __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
-           "StoreClosedError", "StoreWriteError", "open"]
+           "StateMismatchError", "StoreClosedError", "StoreWriteError", "open"]

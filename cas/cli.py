@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Callable
@@ -43,8 +44,20 @@ def human(n: float) -> str:
 
 
 def _emit_json(data) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
+    """Standard JSON (what jq and other strict parsers read): a NaN or infinite metric, as a
+    diverged run logs, is written as the string "nan", "inf" or "-inf"."""
+    json.dump(_finite(data), sys.stdout, indent=2, default=str, allow_nan=False)
     sys.stdout.write("\n")
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _step(text: str) -> int:
@@ -213,6 +226,10 @@ def cmd_gc(store, args) -> int:
     rules = dict(keep_last=args.keep_last, keep_milestones=args.keep_milestones, keep_every=args.keep_every,
                  keep_best=args.keep_best, keep_within=args.keep_within)
     retention = Retention(**rules)
+    if retention.has_rules and args.keep_all:
+        print("cas: error: --keep-all removes no checkpoint; it cannot be combined with retention rules",
+              file=sys.stderr)
+        return EXIT_USAGE
     if not retention.has_rules and not args.keep_all:
         print("cas: error: gc needs at least one rule (--keep-last N, --keep-milestones, --keep-every K, "
               "--keep-best METRIC:min|max:N, --keep-within 2d, or --keep-all to only reclaim garbage); "
@@ -274,6 +291,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_on_store(fn, store_cls, path: str, args) -> int:
+    """Run a command on the store at `path`. A command that may create the store (import)
+    and fails leaves no store behind that it created: bad input changes nothing."""
+    fresh = fn.cli_creates_store and not os.path.exists(os.path.join(path, "config"))
+    code = EXIT_USAGE
+    try:
+        with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
+            code = fn(store, args)
+    finally:
+        if fresh and code != EXIT_OK and os.path.exists(os.path.join(path, "config")):
+            with store_cls(path, create=False) as store:
+                empty = not store.checkpoints()
+            if empty:
+                _remove_new_store(path)
+    return code
+
+
+def _remove_new_store(path: str) -> None:
+    """Remove a store this command created and left empty: only its own layout, never a file
+    the user put there (the folder itself stays if it holds anything else)."""
+    import shutil
+
+    for name in ("config", "create.lock", "index", "objects", "packs", "tmp"):
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=True)
+        elif os.path.lexists(target):
+            os.unlink(target)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -284,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         fn = COMMANDS[args.command]
         if not fn.cli_opens_store:
             return fn(path, args)
-        with Store(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
-            return fn(store, args)
+        return _run_on_store(fn, Store, path, args)
     except BrokenPipeError:  # `cas ls | head`: the reader left; that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (CasError, OSError) as exc:
         print(f"cas: error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(f"cas: {note}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("cas: interrupted", file=sys.stderr)

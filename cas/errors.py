@@ -34,6 +34,11 @@ class CheckpointExistsError(CasError):
     """A checkpoint with that step is already committed; steps are never overwritten."""
 
 
+class StateMismatchError(CasError, ValueError):
+    """A restore target does not fit the checkpoint (tensor names or shapes differ, as
+    load_state_dict would refuse): nothing was restored."""
+
+
 class StoreWriteError(CasError):
     """Writing to the store failed (a full disk, say); nothing of that save was committed."""
 

@@ -24,7 +24,10 @@ def parse_duration(text: str | _dt.timedelta) -> _dt.timedelta:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", str(text))
     if not m:
         raise CasError(f"not a duration: {text!r} (use a number and a unit: s, m, h, d or w, e.g. 2d)")
-    return _dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    try:
+        return _dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    except OverflowError:
+        raise CasError(f"duration too long: {text!r} (at most {_dt.timedelta.max.days} days)") from None
 
 
 def parse_best(text: str | tuple) -> tuple[str, str, int]:

@@ -117,9 +117,15 @@ def torch_dtype_of(node: dict) -> torch.dtype | None:
     if node["lib"] == "torch":
         return TORCH_DTYPES[node["dtype"]]
     try:
-        return torch.from_numpy(np.empty(0, dtype=numpy_dtype(node["dtype"]))).dtype
+        return torch.from_numpy(np.empty(0, dtype=numpy_dtype(node["dtype"]).newbyteorder("="))).dtype
     except TypeError:
         return None
+
+
+def _native(a: np.ndarray) -> np.ndarray:
+    """`a` in this machine's byte order (torch and safetensors take no other): the same
+    values; a big-endian array saved from numpy is exported as its values."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
 # --- export ---------------------------------------------------------------------------------
@@ -160,6 +166,9 @@ def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bo
     left out (and listed in the report) and nothing in it can resume training. With `relative`
     and exactly one key, names drop that key ("layer.weight"), as the model's load_state_dict
     expects. The file's metadata carries the step and checkpoint id."""
+    target = os.path.realpath(os.fspath(path))
+    if os.path.commonpath([target, os.path.realpath(store.path)]) == os.path.realpath(store.path):
+        raise CasError(f"refusing to export into the store itself ({path}): choose a path outside {store.path}")
     ck = store.get(step)
     keys = [keys] if isinstance(keys, str) else keys
     prefix = _relative_prefix(keys, relative)
@@ -169,7 +178,7 @@ def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bo
     tensors: dict[str, torch.Tensor] = {}
     for i, (name, leaf) in enumerate(zip(names, todo), 1):
         value = read_tensor(store, leaf, ck.step)
-        tensors[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        tensors[name] = torch.from_numpy(_native(value)) if isinstance(value, np.ndarray) else value
         if progress:
             progress("export", i, len(todo))
     metadata = {"format": "pt", "cas.step": str(ck.step), "cas.checkpoint_id": ck.id, "cas.note": EXPORT_NOTE}
@@ -280,7 +289,11 @@ def _read_torch_save(path: str) -> tuple[object, dict]:
 
 
 def _unpickling_detail(exc: Exception) -> str:
-    """The one informative paragraph of torch's long weights-only error."""
+    """The one informative part of torch's long weights-only error: the global it refused
+    (torch 2.13 puts it mid-paragraph), else its one informative paragraph."""
+    refused = re.search(r"Unsupported global: GLOBAL \S+", str(exc))
+    if refused:
+        return refused.group(0).rstrip(".")
     for part in str(exc).split("\n\n"):
         part = " ".join(part.split())
         if part and not part.startswith(("Weights only load failed", "Check the documentation")):
@@ -351,10 +364,17 @@ def import_folder(store, folder: str | os.PathLike, *, progress: Progress | None
     """Import every checkpoint file of a folder (one file per step, the step from each name)."""
     files, ignored = plan_folder(store, os.fspath(folder))
     out = FolderImport(ignored=ignored)
-    for i, (step, path) in enumerate(files, 1):
-        out.checkpoints.append((path, import_file(store, path, step=step)))
-        if progress:
-            progress("import", i, len(files))
+    try:
+        for i, (step, path) in enumerate(files, 1):
+            out.checkpoints.append((path, import_file(store, path, step=step)))
+            if progress:
+                progress("import", i, len(files))
+    except BaseException as exc:  # all or nothing: the steps imported before the bad file go again
+        if out.checkpoints:
+            store.forget([ck.step for _, ck in out.checkpoints])
+            exc.add_note(f"nothing was imported: the {len(out.checkpoints)} checkpoint(s) imported before it were "
+                         "removed again (their objects are garbage for the next gc)")
+        raise
     return out
 
 

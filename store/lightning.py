@@ -64,8 +64,8 @@ class CasCheckpointIO(CheckpointIO):
         path = os.fspath(path)
         cks = self.store.checkpoints()
         previous = self._named(path, cks)
-        paths = [p for p in self._make_room(step, cks) if p != path] + [path]
-        self.store.save(_plain(checkpoint), step=step, meta={PATHS_META: paths})
+        paths = [p for p in self._names_to_keep(step, cks) if p != path] + [path]
+        self.store._replace(_plain(checkpoint), step=step, meta={PATHS_META: paths})
         self._removed.discard(path)
         if previous is not None and previous.step != step:
             self._forget_if_unnamed(previous)
@@ -122,17 +122,16 @@ class CasCheckpointIO(CheckpointIO):
         """The paths that still name `ck`: listed by it, not moved on, not removed."""
         return [p for p in _paths(ck) if (named := self._named(p, cks)) is not None and named.step == ck.step]
 
-    def _make_room(self, step: int, cks: list[Checkpoint]) -> list[str]:
-        """Forget the checkpoint at `step`, if any, so a new save can take the step; returns the
-        paths that still named it. Only a checkpoint this plugin saved is replaced."""
+    def _names_to_keep(self, step: int, cks: list[Checkpoint]) -> list[str]:
+        """The paths that name the checkpoint at `step`, if any: the new save replaces it in
+        its commit (Store._replace: a save that fails leaves it). Only a checkpoint this plugin
+        saved is replaced."""
         old = next((ck for ck in cks if ck.step == step), None)
         if old is None:
             return []
         if PATHS_META not in old.meta:
             raise exists_error(step)
-        live = self._live_paths(old, cks)
-        self.store.delete(step)
-        return live
+        return self._live_paths(old, cks)
 
     def _forget_if_unnamed(self, ck: Checkpoint) -> None:
         """Forget `ck` once no path names it; a pinned checkpoint (a legal hold) always stays."""

@@ -12,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import msgpack
 import numpy as np
 import torch
 
 from cas import faults
 from cas.codecs import CodecPolicy, parse_header
-from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StoreClosedError,
-                        StoreWriteError)
+from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
+                        StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
 from cas.index import WHERE_PACK, Index
 from cas.objects import FileObjects
@@ -70,6 +71,7 @@ class _SaveJob:
     skeleton: object
     leaves: list
     created: float
+    replacing: bool = False  # the commit swaps out a checkpoint at the same step (Store._replace)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class Store:
                  max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         _checked_max_chain(max_chain)
         _checked_delta_memory(delta_memory)
+        if type(max_inflight) is not int or max_inflight < 1:
+            raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
         if not os.path.exists(self.layout.config):
@@ -205,15 +209,20 @@ class Store:
         self._inflight_steps.add(step)
 
         def run() -> None:
+            result, failure = None, None
             try:
-                future.set_result(self._write(job))
+                result = self._write(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-                future.set_exception(exc)
-            finally:
+                failure = exc
+            finally:  # before the future completes: its waiter may save this step again at once
                 for leaf in job.leaves:
                     leaf.staged = None
                 self._arenas.append(arena)
                 self._inflight_steps.discard(step)
+            if failure is None:
+                future.set_result(result)
+            else:
+                future.set_exception(failure)
 
         self._background.submit(run)
         return future
@@ -224,13 +233,21 @@ class Store:
         self._raise_unobserved()
 
     def _raise_unobserved(self) -> None:
+        """Raise the failures of finished background saves that nobody looked at: the first,
+        with the others named in its notes (each is raised once)."""
         self._check_open()
+        failures = []
         for future in [f for f in self._inflight if f.done()]:
             self._inflight.remove(future)
             if future.unobserved_exception() is not None:
-                raise future.exception()
+                failures.append(future.exception())
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"another background save failed too: {type(other).__name__}: {other}")
+            raise first
 
-    def _prepare(self, state, step, milestone, metrics, meta) -> "_SaveJob":
+    def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
         if self.readonly:
@@ -238,11 +255,19 @@ class Store:
         step_key(step)  # type-checks the step before any work
         metrics = _checked_metrics(metrics)
         meta = _checked_meta(meta)
-        if step in self._inflight_steps or self.exists(step):
+        if step in self._inflight_steps or (self.exists(step) and not replacing):
             raise exists_error(step)
         skeleton, leaves = plan(resolve_stateful(state), chunk_size=self.chunk_size)
         faults.point("save.planned")
-        return _SaveJob(step, bool(milestone), metrics, meta, skeleton, leaves, time.time())
+        return _SaveJob(step, bool(milestone), metrics, meta, skeleton, leaves, time.time(), replacing)
+
+    def _replace(self, state, *, step: int, meta: dict | None = None) -> Checkpoint:
+        """Save `state` as `step`, swapping out the checkpoint there in the commit's own
+        transaction (a pinned one is refused): for integrations whose own naming reuses steps
+        (Lightning's last.ckpt). Until that commit the old checkpoint stays, so a save that
+        fails loses nothing."""
+        self._raise_unobserved()
+        return self._write(self._prepare(state, step, False, None, meta, replacing=True))
 
     def _write(self, job: "_SaveJob") -> Checkpoint:
         try:
@@ -364,6 +389,11 @@ class Store:
         faults.point("save.nodes_written")
 
         def finish(txn) -> Checkpoint:
+            old = self.registry.get(txn, job.step) if job.replacing else None
+            if old is not None:
+                if old.pinned:
+                    raise CasError(f"checkpoint {job.step} is pinned (a legal hold); it cannot be replaced")
+                self.registry.remove(txn, job.step)
             ck = Checkpoint(step=job.step, id=commit_key.hex(),
                             created=_dt.datetime.fromtimestamp(job.created, _dt.timezone.utc),
                             milestone=job.milestone, metrics=job.metrics, meta=job.meta,
@@ -407,16 +437,41 @@ class Store:
             raise CheckpointNotFoundError(f"checkpoint step {ck.step} has no entries {missing} to restore "
                                           f"into (it has {have})")
         into: dict[str, torch.Tensor] = {}
+        modules: dict[str, dict[str, torch.Tensor]] = {}
         for key, target in targets.items():
             if is_stateful(target):
-                walk_value(target.state_dict(), lambda t, p: into.setdefault(p, t), path=str(key),
-                           match=torch.Tensor)
+                own: dict[str, torch.Tensor] = {}
+                walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
+                for path, t in own.items():
+                    into.setdefault(path, t)
+                if isinstance(target, torch.nn.Module):
+                    modules[str(key)] = own
+        if modules:
+            self._check_modules_fit(ck, modules)
         loaded = self._load(ck, None, tensors.without_shared_memory(into))
         for key, target in targets.items():
             if is_stateful(target):
                 target.load_state_dict(loaded[key])
                 loaded[key] = target
         return loaded
+
+    def _check_modules_fit(self, ck: Checkpoint, modules: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Refuse, before any byte is decoded into them, module targets whose tensors
+        load_state_dict would refuse (a missing or unexpected name, another shape): a failed
+        restore must leave the model as it was."""
+        stored = dict(self._tensor_nodes(ck.step))
+        for key, own in modules.items():
+            theirs = {p: n for p, n in stored.items() if p.startswith(key + ".")}
+            missing = sorted(set(own) - set(theirs))
+            unexpected = sorted(set(theirs) - set(own))
+            shapes = sorted(p for p in set(own) & set(theirs) if list(own[p].shape) != theirs[p]["shape"])
+            if missing or unexpected or shapes:
+                what = "; ".join(f"{label}: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}"
+                                 for label, paths in (("not in the checkpoint", missing),
+                                                      ("not in the module", unexpected),
+                                                      ("of another shape", shapes)) if paths)
+                raise StateMismatchError(f"{key!r} does not fit checkpoint step {ck.step} ({what}); nothing was "
+                                         "restored")
 
     def _commit(self, ck: Checkpoint) -> dict:
         """The commit node a registry record names, which must be that step's commit: a damaged
@@ -617,6 +672,8 @@ def _checked_metrics(metrics) -> dict:
             v = v.item()
         if type(v) is bool or not isinstance(v, (int, float)):
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
+        if not isinstance(v, float) and not -(1 << 63) <= v < 1 << 64:  # what a registry record holds
+            raise TypeError(f"metric {k!r} is an int beyond 64 bits; give it as a float")
         out[k] = float(v) if isinstance(v, float) else int(v)
     return out
 
@@ -647,8 +704,11 @@ def _checked_meta(meta) -> dict:
     if not isinstance(meta, dict):
         raise TypeError("meta must be a dict")
     try:
-        pack(meta)
+        plain = msgpack.packb(meta, use_bin_type=True)  # as the registry record holds it
+        pack(meta)  # and the commit node
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"meta must hold plain values (str, numbers, bools, None, lists, dicts): {exc}") from None
-    return meta
+        raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts): "
+                        f"{exc}") from None
+    # a copy: the caller of save_async may change its dict once the call returns
+    return msgpack.unpackb(plain, raw=False, strict_map_key=False)
 

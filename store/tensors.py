@@ -6,6 +6,8 @@ its values, a CUDA tensor is copied to host memory, a conjugate or negative view
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -75,7 +77,18 @@ def torch_bytes(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous() and t.element_size() in _SAME_SIZE_INT:
         # reinterpret first: torch cannot copy some dtypes (float4, bits) into a contiguous layout
         t = t.view(_SAME_SIZE_INT[t.element_size()])
-    return flat_bytes(t.contiguous()).numpy()
+    return numpy_view(flat_bytes(t.contiguous()))
+
+
+def numpy_view(flat: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of a flat uint8 CPU tensor's memory, keeping the tensor
+    alive. Not `.numpy()`: that marks the storage as never resizable again, so a user's tensor
+    that was saved or restored into could no longer grow with resize_ (torch 2.13)."""
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    memory = (ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())
+    memory.owner = flat  # the numpy array holds `memory`, which holds the tensor
+    return np.frombuffer(memory, dtype=np.uint8)
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -98,7 +111,7 @@ def numpy_bytes(a: np.ndarray) -> np.ndarray:
 def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """A fresh CPU tensor and a writable uint8 view of its bytes."""
     t = torch.empty(shape, dtype=torch_dtype(dtype_name))
-    return t, flat_bytes(t).numpy()
+    return t, numpy_view(flat_bytes(t))
 
 
 def empty_numpy(dtype_str: str, shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -144,5 +157,5 @@ def output_for(node: dict, dest=None) -> tuple[object, np.ndarray]:
     if (isinstance(dest, torch.Tensor) and dest.device.type == "cpu" and dest.layout == torch.strided
             and dest.dtype == dtype and list(dest.shape) == node["shape"] and dest.is_contiguous() and dest.numel()
             and not dest.is_conj() and not dest.is_neg()):
-        return dest, flat_bytes(dest).numpy()
+        return dest, numpy_view(flat_bytes(dest))
     return empty_torch(node["dtype"], node["shape"])

@@ -8,6 +8,7 @@ and restored in place.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from typing import Iterator
 
 import numpy as np
@@ -25,8 +26,11 @@ def resolve_stateful(value):
     """The state with every stateful object replaced by its state_dict(), at any depth."""
     if is_stateful(value):
         return value.state_dict()
-    if type(value) is dict:
-        return {k: resolve_stateful(v) for k, v in value.items()}
+    if type(value) in (dict, OrderedDict):
+        out = type(value)((k, resolve_stateful(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # a module state dict's versions
+            out._metadata = value._metadata
+        return out
     if type(value) in (list, tuple):
         return type(value)(resolve_stateful(v) for v in value)
     return value

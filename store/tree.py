@@ -22,7 +22,7 @@ from cas.errors import CorruptionError
 from cas.hashing import KEY_SIZE, hash_bytes
 
 from . import tensors as T
-from .values import MAX_DEPTH, Ref, numpy_dtype, pack, unpack
+from .values import MAX_BIGINT_BYTES, MAX_DEPTH, Ref, numpy_dtype, pack, unpack
 
 MANIFEST_FORMAT = 1
 MAX_DIMS = 64
@@ -82,7 +82,9 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if depth > MAX_DEPTH:
             raise TypeError(f"state is nested deeper than {MAX_DEPTH} levels at {path!r}")
         kind = type(value)
-        if kind in (type(None), bool, int, float, str, bytes):
+        if kind is int:
+            return _checked_int(value, path)
+        if kind in (type(None), bool, float, str, bytes):
             return value
         if isinstance(value, torch.Tensor):
             return add_tensor(value, path)
@@ -98,6 +100,8 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
                 if type(k) not in (str, int, bool):
                     raise TypeError(f"cannot store dict key {k!r} of type {type(k).__name__} at {path or '<root>'!r}: "
                                     "keys must be str or int")
+                if type(k) is int:
+                    _checked_int(k, path)
                 items.append((k, walk(v, path_join(path, k), depth + 1)))
             out = kind(items)
             if kind is OrderedDict and hasattr(value, "_metadata"):
@@ -126,6 +130,15 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         return leaf
 
     return walk(state, "", 0), leaves
+
+
+def _checked_int(value: int, path: str) -> int:
+    """An int loading can read back: loaders refuse integers of more than MAX_BIGINT_BYTES
+    (a bound on what a hostile manifest can make them allocate), so saving refuses them too."""
+    if (value.bit_length() + 8) // 8 > MAX_BIGINT_BYTES:
+        raise TypeError(f"cannot store an int of {value.bit_length()} bits at {path or '<root>'!r}: "
+                        f"at most {8 * MAX_BIGINT_BYTES - 1} bits (store it as bytes or str)")
+    return value
 
 
 def _group(dtype) -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_same, tiny_model, train_tiny
@@ -140,3 +141,85 @@ def test_sampler_resumes_mid_epoch():
     other = cas.ResumableRandomSampler(10, seed=1)
     other.load_state_dict(state)
     assert list(other) == rest and sorted(head + rest) == list(range(10))
+
+
+def test_a_failed_async_step_can_be_saved_again_as_soon_as_its_failure_is_seen(store_path):
+    """The future completed before the save's step was released: a retry right after
+    result() raised was refused as an existing step in about one try in six."""
+    with cas.open(store_path, chunk_size=64 << 10, max_inflight=3) as store:
+        for step in range(30):
+            faults.configure("save.chunks_written=raise")
+            try:
+                future = store.save_async({"w": torch.randn(64, 1024)}, step=step)
+                with pytest.raises(faults.InjectedFault):
+                    future.result()
+            finally:
+                faults.configure("")
+            store.save_async({"w": torch.ones(1)}, step=step).result()
+        assert len(store.checkpoints()) == 30
+
+
+def test_meta_is_captured_at_the_call_and_checked_there(store):
+    meta = {"note": "before", "lr": [1, 2]}
+    future = store.save_async({"w": torch.ones(2)}, step=1, meta=meta)
+    meta["note"], meta["lr"][0], meta["bad"] = "after", 99, object()
+    assert future.result().meta == {"note": "before", "lr": [1, 2]}
+    for bad in ({"lr": np.float32(0.5)}, {"tokens": 2 ** 70}):  # the registry record holds plain msgpack
+        with pytest.raises(TypeError, match="meta"):
+            store.save_async({"w": torch.ones(2)}, step=2, meta=bad)
+    with pytest.raises(TypeError, match="metric 'tokens'"):
+        store.save({"w": torch.ones(2)}, step=2, metrics={"tokens": 2 ** 70})
+    assert [ck.step for ck in store.checkpoints()] == [1]
+
+
+def test_close_reports_every_background_failure_nobody_looked_at(store_path):
+    store = cas.open(store_path, chunk_size=64 << 10, max_inflight=3)
+    faults.configure("save.chunks_written=raise")
+    try:
+        futures = [store.save_async({"w": torch.randn(64, 1024)}, step=s) for s in (1, 2)]
+        concurrent.futures.wait(futures)
+    finally:
+        faults.configure("")
+    with pytest.raises(faults.InjectedFault) as raised:
+        store.close()
+    assert any("another background save failed too" in note for note in raised.value.__notes__)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_max_inflight_below_one_is_refused_instead_of_spinning(store_path, bad):
+    with pytest.raises(cas.CasError, match="max_inflight"):
+        cas.open(store_path, max_inflight=bad)
+
+
+def test_a_restore_that_does_not_fit_changes_nothing(store):
+    """load_state_dict refuses a model of another shape, but the decode into its tensors had
+    already overwritten the parameters it shares names and sizes with."""
+    saved = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    store.save({"model": saved}, step=1)
+    for other in (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 5)),
+                  torch.nn.Sequential(torch.nn.Linear(8, 8))):
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(cas.StateMismatchError, match="nothing was restored"):
+            store.restore({"model": other})
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+
+
+def test_saved_restored_and_loaded_tensors_can_still_grow(store):
+    """Tensor.numpy() marks a storage as never resizable again: cas reads and writes tensors'
+    memory without it."""
+    buf, model = torch.arange(50000.0), torch.nn.Linear(64, 64)
+    store.save({"buf": buf, "model": model}, step=1)
+    future = store.save_async({"buf": buf}, step=2)
+    future.result()
+    target = torch.nn.Linear(64, 64)
+    store.restore({"model": target}, step=1)
+    loaded = store.load(1)["buf"]
+    for t in (buf, target.weight.data, loaded):
+        t.resize_(t.numel() * 4)
+
+
+def test_stateful_objects_inside_an_ordered_dict_are_saved_as_their_state(store):
+    from collections import OrderedDict
+    model = torch.nn.Linear(4, 4)
+    store.save(OrderedDict(model=model), step=1)
+    assert torch.equal(store.load(1)["model"]["weight"], model.weight)

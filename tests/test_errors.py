@@ -164,3 +164,27 @@ def test_a_creation_cut_short_is_finished_by_the_next_open(tmp_path):
     (tmp_path / "t" / "objects" / "ab").mkdir(parents=True)  # objects but no config: not ours to touch
     with pytest.raises(cas.NotAStoreError):
         cas.open(tmp_path / "t")
+
+
+@pytest.mark.parametrize("kind", ["folder", "symlink"])
+def test_a_create_lock_that_is_not_a_plain_file_is_refused_and_followed_nowhere(tmp_path, kind):
+    root, outside = tmp_path / "s", tmp_path / "outside"
+    root.mkdir()
+    if kind == "folder":
+        (root / "create.lock").mkdir()
+    else:
+        os.symlink(outside, root / "create.lock")
+    with pytest.raises(cas.NotAStoreError):
+        cas.open(root)
+    assert not outside.exists() and sorted(os.listdir(root)) == ["create.lock"]
+
+
+def test_an_int_too_large_to_load_back_is_refused_at_save(store):
+    """Loaders refuse integers beyond 4096 bytes (a bound against hostile manifests): such a
+    value used to save fine and make its checkpoint unloadable."""
+    with pytest.raises(TypeError, match="at 'big'"):
+        store.save({"big": 2 ** 40000, "w": torch.ones(2)}, step=1)
+    with pytest.raises(TypeError, match="int of"):
+        store.save({2 ** 40000: 1}, step=1)
+    store.save({"big": 2 ** 30000}, step=1)
+    assert store.load(1)["big"] == 2 ** 30000
