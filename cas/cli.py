@@ -295,6 +295,7 @@ def _run_on_store(fn, store_cls, path: str, args) -> int:
     """Run a command on the store at `path`. A command that may create the store (import)
     and fails leaves no store behind that it created: bad input changes nothing."""
     fresh = fn.cli_creates_store and not os.path.exists(os.path.join(path, "config"))
+    existed = os.path.lexists(path)
     code = EXIT_USAGE
     try:
         with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
@@ -304,13 +305,13 @@ def _run_on_store(fn, store_cls, path: str, args) -> int:
             with store_cls(path, create=False) as store:
                 empty = not store.checkpoints()
             if empty:
-                _remove_new_store(path)
+                _remove_new_store(path, remove_folder=not existed)
     return code
 
 
-def _remove_new_store(path: str) -> None:
+def _remove_new_store(path: str, *, remove_folder: bool) -> None:
     """Remove a store this command created and left empty: only its own layout, never a file
-    the user put there (the folder itself stays if it holds anything else)."""
+    the user put there; the folder itself only if this command made it and it is empty."""
     import shutil
 
     for name in ("config", "create.lock", "index", "objects", "packs", "tmp"):
@@ -319,10 +320,11 @@ def _remove_new_store(path: str) -> None:
             shutil.rmtree(target, ignore_errors=True)
         elif os.path.lexists(target):
             os.unlink(target)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+    if remove_folder:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

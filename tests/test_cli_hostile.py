@@ -165,3 +165,12 @@ def test_json_output_is_standard_json_with_nan_metrics(tmp_path, command):
         raise ValueError(f"not JSON: {name}")
 
     json.loads(out.stdout, parse_constant=refuse)
+
+
+def test_a_refused_import_into_an_empty_folder_leaves_the_empty_folder(tmp_path):
+    target = tmp_path / "empty"
+    target.mkdir()
+    evil = tmp_path / "evil-1.pt"
+    torch.save({"e": Payload(str(tmp_path / "pwned"))}, evil)
+    out = run("import", evil, store=target)
+    assert out.returncode == 2 and target.is_dir() and os.listdir(target) == []
