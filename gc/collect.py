@@ -131,12 +131,17 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
             progress: Progress | None = None) -> GcReport:
     """Apply `retention` (None: remove nothing, only sweep garbage), then sweep."""
     report = GcReport(dry_run=dry_run)
-    cks = store.checkpoints()
-    decisions = retention.decide(cks) if retention is not None else {ck.step: ["kept"] for ck in cks}
-    report.kept = [(ck, decisions[ck.step]) for ck in cks if decisions[ck.step]]
-    report.removed = [ck for ck in cks if not decisions[ck.step]]
-    if report.removed and not dry_run:
-        store.forget([ck.step for ck in report.removed])
+
+    def choose(cks: list) -> list[int]:
+        decisions = retention.decide(cks) if retention is not None else {ck.step: ["kept"] for ck in cks}
+        report.kept = [(ck, decisions[ck.step]) for ck in cks if decisions[ck.step]]
+        report.removed = [ck for ck in cks if not decisions[ck.step]]
+        return [ck.step for ck in report.removed]
+
+    if dry_run or retention is None:
+        choose(store.checkpoints())
+    else:  # decided on the registry inside the transaction that removes: no stale decision
+        store._forget_chosen(choose)
     faults.point("gc.forgotten")
     removed_keys = {ck.key for ck in report.removed} if dry_run else set()
     sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress)

@@ -38,13 +38,18 @@ class RepairReport:
     moved_aside: str | None = None  # where a damaged index was put
 
 
-def _open_or_replace_index(layout: L.Layout, report: RepairReport) -> tuple[Index, dict[int, Checkpoint]]:
-    """The existing index when it opens (its registry flags are kept), else a fresh one."""
+def _open_or_replace_index(layout: L.Layout, report: RepairReport) -> tuple[Index, dict[int, Checkpoint], dict]:
+    """The existing index when it opens (its registry flags and, where they still read, its
+    object records are kept in view), else a fresh one."""
     try:
         index = Index(layout.index, extra_tables=(REGISTRY_TABLE,))
         with index.read() as txn:
             old = {ck.step: ck for ck in Registry(index, layout.root).all(txn)}
-        return index, old
+            try:
+                old_records = dict(index.iter_records(txn))
+            except CasError:  # a damaged record: choose among the copies on disk alone
+                old_records = {}
+        return index, old, old_records
     except (CasError, OSError) as exc:
         if "index" in locals():
             index.close()
@@ -53,10 +58,10 @@ def _open_or_replace_index(layout: L.Layout, report: RepairReport) -> tuple[Inde
         report.moved_aside = f"{layout.index}.damaged-{int(time.time())}"
         os.rename(layout.index, report.moved_aside)
     os.makedirs(layout.index)
-    return Index(layout.index, create=True, extra_tables=(REGISTRY_TABLE,)), {}
+    return Index(layout.index, create=True, extra_tables=(REGISTRY_TABLE,)), {}, {}
 
 
-def _scan_packs(packs: PackFiles, records: dict, commits: list, report: RepairReport) -> None:
+def _scan_packs(packs: PackFiles, copies: dict, commits: list, report: RepairReport) -> None:
     for pack in packs.iterate():
         report.packs += 1
         try:
@@ -70,7 +75,8 @@ def _scan_packs(packs: PackFiles, records: dict, commits: list, report: RepairRe
                 except CorruptionError as exc:
                     report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
                     continue
-                records[key] = ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset, base=head.base)
+                copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
+                                                               base=head.base))
                 if raw is not None:
                     _note_commit(key, raw, commits)
         except (CorruptionError, OSError) as exc:
@@ -87,15 +93,45 @@ def _note_commit(key: bytes, raw, commits: list) -> None:
         commits.append((key, node))
 
 
-def _scan_files(files: FileObjects, records: dict, report: RepairReport) -> None:
+def _scan_files(files: FileObjects, copies: dict, report: RepairReport) -> None:
     for key in files.iterate():
-        if key in records:
-            continue
         try:
             head = parse_header(files.head(key, 64), key=key)
-            records[key] = ObjectRecord(WHERE_FILE, files.has(key) or 0, head.raw_size, base=head.base)
+            copies.setdefault(key, []).append(ObjectRecord(WHERE_FILE, files.has(key) or 0, head.raw_size,
+                                                           base=head.base))
         except (CorruptionError, OSError) as exc:
             report.skipped.append(f"object {key.hex()}: {exc}")
+
+
+def _choose(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectRecord]) -> dict[bytes, ObjectRecord]:
+    """One record per object among its copies on disk (a pack entry a crashed gc did not yet
+    rewrite, a file, another writer's pack entry that lost the commit): the old index's record
+    when it still describes one of them and its chain holds; else a full object; else a delta
+    whose chain reaches a full object on disk. (A dead delta entry whose base is gone once beat
+    the live full copy, and a checkpoint that loaded before the repair did not after it.)"""
+    anchored = {key for key, recs in copies.items() if any(r.base is None for r in recs)}
+    grown = True
+    while grown:  # a delta is anchored once its base is; chains are short
+        grown = False
+        for key, recs in copies.items():
+            if key not in anchored and any(r.base in anchored for r in recs):
+                anchored.add(key)
+                grown = True
+
+    def rank(rec: ObjectRecord) -> int:
+        return 0 if rec.base is None else 1 if rec.base in anchored else 2
+
+    out = {}
+    for key, recs in copies.items():
+        prev = old.get(key)
+        same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
+        out[key] = same[0] if same else min(recs, key=rank)
+    return out
+
+
+def _same_copy(rec: ObjectRecord, prev: ObjectRecord) -> bool:
+    return (rec.where == prev.where and rec.base == prev.base and rec.stored_size == prev.stored_size
+            and (rec.where == WHERE_FILE or (rec.pack == prev.pack and rec.offset == prev.offset)))
 
 
 def _set_depths(records: dict[bytes, ObjectRecord]) -> None:
@@ -134,12 +170,13 @@ def repair(path: str) -> RepairReport:
     layout = L.Layout(os.path.abspath(path))
     L.read_config(layout)  # only a store is repaired
     report = RepairReport()
-    index, old = _open_or_replace_index(layout, report)
+    index, old, old_records = _open_or_replace_index(layout, report)
     try:
-        records: dict[bytes, ObjectRecord] = {}
+        copies: dict[bytes, list[ObjectRecord]] = {}
         commits: list = []
-        _scan_packs(PackFiles(layout.packs, layout.tmp), records, commits, report)
-        _scan_files(FileObjects(layout.objects, layout.tmp), records, report)
+        _scan_packs(PackFiles(layout.packs, layout.tmp), copies, commits, report)
+        _scan_files(FileObjects(layout.objects, layout.tmp), copies, report)
+        records = _choose(copies, old_records)
         _set_depths(records)
         cks = _checkpoints(commits, old)
         registry = Registry(index, layout.root)

@@ -570,6 +570,21 @@ class Store:
             self.index.bump_generation(txn)
         return gone
 
+    def _forget_chosen(self, choose: Callable[[list[Checkpoint]], list[int]]) -> list[Checkpoint]:
+        """Remove the checkpoints that `choose` picks from the registry as it reads inside this
+        one write transaction (gc's retention: a decision on an earlier read removed a checkpoint
+        made a milestone since, and failed on one another gc had removed). Pinned ones stay."""
+        self._check_open()
+        with self.index.write() as txn:
+            cks = self.registry.all(txn)
+            chosen = set(choose(cks))
+            gone = [ck for ck in cks if ck.step in chosen and not ck.pinned]
+            for ck in gone:
+                self.registry.remove(txn, ck.step)
+            if gone:
+                self.index.bump_generation(txn)
+        return gone
+
     def set_milestone(self, step: int, flag: bool = True) -> Checkpoint:
         return self._update(step, milestone=bool(flag))
 

@@ -314,3 +314,70 @@ def test_gc_removes_only_this_hosts_dead_writers_temporary_files_and_none_during
         barrier.abort()
         store.gc()
         assert os.listdir(store.layout.tmp) == [theirs]
+
+
+@pytest.mark.parametrize("pack_max", [4096, 65536])
+def test_repair_indexes_the_live_copy_not_a_dead_delta_entry_a_killed_gc_left_in_a_pack(tmp_path, pack_max):
+    """A delta Y in a pack, its base X a file; their checkpoint is deleted and a gc sweeps X and
+    Y's record, then is killed before it rewrites the pack. Y is saved again whole. repair used
+    to index the pack's dead delta entry for Y (base gone), and a checkpoint that loaded before
+    the repair did not after it."""
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.save({"w": trajectory(0)}, step=1)
+    with cas.open(path, delta=True, pack_max=1 << 30) as store:
+        store.save({"w": trajectory(1), "o": tensor(5, rows=4)}, step=2)  # deltas of step 1's chunks, packed
+    with cas.open(path) as store:
+        store.save({"o": tensor(5, rows=4)}, step=3)  # keeps step 2's pack partly live
+        store.forget([1, 2])
+    gc_run = spawn("gc", path, faults="gc.repack=kill@1")
+    gc_run.communicate(timeout=120)
+    assert gc_run.returncode == -9
+    with cas.open(path, pack_max=pack_max) as store:
+        store.save({"w": trajectory(1)}, step=4)
+        assert store.verify().ok
+    from cas.store.repair import repair
+    repair(str(path))
+    with cas.open(path) as store:
+        assert torch.equal(store.load(4)["w"], trajectory(1)) and store.verify().ok
+
+
+def test_retention_decides_on_the_registry_it_removes_from(tmp_path, monkeypatch):
+    """gc decided on one read of the registry and removed in a later transaction: a checkpoint
+    made a milestone in between was removed anyway, silently. The decision is taken inside the
+    removing transaction now: a concurrent set_milestone either lands first (and is kept) or
+    finds the checkpoint gone (and says so)."""
+    import threading
+    from cas.gc.retention import Retention
+    decided, release, outcome = threading.Event(), threading.Event(), []
+    real_decide = Retention.decide
+
+    def slow_decide(self, cks, now=None):
+        result = real_decide(self, cks, now)
+        decided.set()
+        release.wait(10)
+        return result
+
+    monkeypatch.setattr(Retention, "decide", slow_decide)
+    with open_store(tmp_path / "s") as store:
+        for step in (1, 2, 3):
+            store.save(state_of([step]), step=step)
+
+        def mark_milestone():
+            decided.wait(10)
+            try:
+                store.set_milestone(2)
+                outcome.append("set")
+            except cas.CheckpointNotFoundError:
+                outcome.append("gone")
+
+        marker = threading.Thread(target=mark_milestone)
+        marker.start()
+        collector = threading.Thread(target=lambda: store.gc(keep_last=1, keep_milestones=True))
+        collector.start()
+        decided.wait(10)
+        time.sleep(0.5)  # the marker is inside set_milestone now
+        release.set()
+        collector.join(30)
+        marker.join(30)
+        assert outcome == ["gone"] or (outcome == ["set"] and store.exists(2)), (outcome, store.exists(2))
