@@ -80,13 +80,16 @@ class ObjectRecord:
         return cls(where, stored, raw, pack, offset, base, depth)
 
 
-_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users]
+_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}]
 _envs_lock = threading.Lock()
 
 
-def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> lmdb.Environment:
-    """One LMDB environment per store and process, shared by every Store opened on it: LMDB
-    forbids opening an environment twice in a process, and its transactions are thread-safe."""
+def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tuple[lmdb.Environment, dict]:
+    """One LMDB environment per store and process, shared by every Store opened on it (LMDB
+    forbids opening an environment twice in a process, and its transactions are thread-safe),
+    with its table handles: opening a table again would start a transaction, which waits for
+    LMDB's writer lock while holding the GIL, so a store opened while another thread of the
+    process is in a write transaction (a DCP async save committing) deadlocked."""
     real = os.path.realpath(path)
     with _envs_lock:
         entry = _envs.get(real)
@@ -95,7 +98,7 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> lm
                 raise CasError(f"the store index at {path} is already open read-only in this process; "
                                "close that store before opening it for writing")
             entry[2] += 1
-            return entry[0]
+            return entry[0], entry[3]
         try:
             env = lmdb.open(path, subdir=True, create=create, readonly=readonly,
                             lock=not readonly or os.access(path, os.W_OK),
@@ -104,8 +107,8 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> lm
         except lmdb.Error as exc:
             raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
                            "from the objects on disk") from None
-        _envs[real] = [env, readonly, 1]
-        return env
+        _envs[real] = [env, readonly, 1, {}]
+        return env, _envs[real][3]
 
 
 def _release_env(path: str) -> None:
@@ -127,11 +130,14 @@ class Index:
                  map_size: int = DEFAULT_MAP_SIZE, extra_tables: tuple = ()) -> None:
         self.path = path
         self.readonly = readonly
-        self.env = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
+        self.env, handles = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
         self.tables = {}
         for name in _TABLES + tuple(extra_tables):
             try:
-                self.tables[name] = self.env.open_db(name.encode(), create=not readonly)
+                with _envs_lock:
+                    if name not in handles:  # the environment's first Index opens each table once
+                        handles[name] = self.env.open_db(name.encode(), create=not readonly)
+                    self.tables[name] = handles[name]
             except lmdb.Error as exc:
                 _release_env(path)
                 raise CasError(f"the store index at {path} cannot open table {name!r} ({exc}): it is damaged "

@@ -164,6 +164,7 @@ class _RankObjects:
         self._seen: set[bytes] = set()
         self._lock = threading.Lock()
         self.confirmed: dict[bytes, int] = {}
+        self.below: dict[bytes, set] = {}  # confirmed delta key -> the keys below it (no cycles)
         self.written: dict[bytes, bytes] = {}  # key -> base key of each delta this rank wrote
         self.replacements: dict[bytes, str] = {}  # key -> temporary file name, for the coordinator
 
@@ -183,8 +184,8 @@ class _RankObjects:
         standing = REUSABLE if known else self._standing(key)
         if standing == REUSABLE:
             return key
-        if base is not None and base[0] == key:  # unchanged, but its file is missing or unusable: whole
-            base = None
+        if base is not None and (base[0] == key or key in self.below.get(base[0], ())):
+            base = None  # its file is missing or unusable, and the base is it or a delta of it: whole
         below = None
         if base is not None and base[1] is None:  # a chain root or a seeded base: decode its files
             base = self._decoded(base[0], view.nbytes)
@@ -562,6 +563,18 @@ def _readable_roots(session: WriteSession, keys: list[bytes]) -> dict[bytes, byt
     return {k: r for k, r in roots.items() if session.depth(r) == 0}
 
 
+def _chains_below(session: WriteSession, keys: list[bytes]) -> dict[bytes, list[bytes]]:
+    """Each delta key's chain below it, from the index (held keys: their chains stay); a key
+    whose chain cannot be read (a damaged index) is left out, so ranks do not code against it."""
+    out = {}
+    for key in keys:
+        try:
+            out[key] = session.store.chain(key)[1:]
+        except CorruptionError:
+            continue
+    return out
+
+
 def _adopt_chunks(session: WriteSession, manifest: _Manifest) -> None:
     """Index the chunk files the ranks reported (at commit). A key the index holds keeps its
     record and file (in a pack too: a rank's file of it is left to gc); a rank's replacement
@@ -711,7 +724,8 @@ class CasWriter(StorageWriter):
         latest = functools.cache(functools.partial(_latest_shards, self._pending.store))
         return [dataclasses.replace(plan, storage_data=dcp_bases.confirm(
                     plan.storage_data, self.step, self.max_chain, session.hold, session.depth,
-                    functools.partial(_readable_roots, session), functools.partial(_seed, latest, plan)))
+                    functools.partial(_readable_roots, session), functools.partial(_seed, latest, plan),
+                    functools.partial(_chains_below, session)))
                 for plan in plans]
 
     # -- every rank --
@@ -726,9 +740,11 @@ class CasWriter(StorageWriter):
                               "bases (a plan cached by the planner, enable_plan_caching?): its chunks are written "
                               "whole", stacklevel=2)
             objects.confirmed, roots = dcp_bases.confirmed(plan.storage_data, self.step)
+            objects.below = dcp_bases.chains_below(plan.storage_data, self.step)
             # the coordinator seeds a rank whose own cache it could not confirm (a restart, a failed save)
             previous = dcp_bases.seeded_cache(plan.storage_data) or dcp_bases.cached(self.path)
-            deltas = dcp_bases.RankDeltas(previous, objects.confirmed, roots, self.max_chain, self.delta_memory)
+            deltas = dcp_bases.RankDeltas(previous, objects.confirmed, roots, self.max_chain, self.delta_memory,
+                                          objects.below)
             dcp_bases.replace(self.path, None)  # its buffers are overwritten as this save goes
         results = write_rank_items(plan, planner, objects, deltas)
         objects.sync()

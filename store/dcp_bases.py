@@ -39,6 +39,7 @@ CONFIRMED = "cas_base_depths"
 FOR_STEP = "cas_step"
 ROOTS = "cas_base_roots"
 SEED = "cas_base_seed"
+BELOW = "cas_base_below"  # confirmed key (a delta) -> the keys below it down its chain
 
 
 @dataclass
@@ -94,14 +95,18 @@ def proposal(path: str) -> dict:
 
 def confirm(storage_data, step: int, max_chain: int, hold: Callable[[list], object],
             depth_of: Callable[[bytes], int | None],
-            roots_of: Callable[[list], dict[bytes, bytes]], seed: Callable[[], dict] = dict) -> dict:
+            roots_of: Callable[[list], dict[bytes, bytes]], seed: Callable[[], dict] = dict,
+            below_of: Callable[[list], dict[bytes, list]] | None = None) -> dict:
     """The coordinator's answer to one rank's proposal: `hold(keys)` holds the keys (gc keeps
     them and their chains until the commit), then `depth_of(key)` gives each stored key's chain
     depth, None for one that is not stored. For keys whose chain is full, `roots_of` gives the
     chain roots a rank may code against instead (held too), as Store.save does. A rank none of
     whose proposals is stored (a restarted process proposes nothing; a failed save's chunks were
     never committed) gets `seed()` instead: {shard id: (skew, nbytes, chunk keys)} of the latest
-    checkpoint's shards that match its plan, whose keys are confirmed alike."""
+    checkpoint's shards that match its plan, whose keys are confirmed alike. For the deltas a
+    rank may code against directly, `below_of` gives the keys down each one's chain: a rank
+    must not code a chunk against a base whose chain holds that chunk (a cycle of bases, as
+    when a rollback saves an earlier state whose file is damaged or missing)."""
     keys = storage_data.get(PROPOSAL) if isinstance(storage_data, dict) else None
     keys = [k for k in keys if isinstance(k, bytes)] if isinstance(keys, list) else []
     if keys:
@@ -115,9 +120,11 @@ def confirm(storage_data, step: int, max_chain: int, hold: Callable[[list], obje
             hold(keys)
         depths = [depth_of(k) for k in keys]
     full = [k for k, d in zip(keys, depths) if d is not None and d >= max_chain] if max_chain > 0 else []
+    deltas = [k for k, d in zip(keys, depths) if d is not None and 0 < d < max_chain]
     return {FOR_STEP: step, PROPOSAL: keys,
             CONFIRMED: bytes(NOT_STORED if d is None else min(d, NOT_STORED - 1) for d in depths),
-            ROOTS: roots_of(full) if full else {}, SEED: seeded}
+            ROOTS: roots_of(full) if full else {}, SEED: seeded,
+            BELOW: below_of(deltas) if below_of is not None and deltas else {}}
 
 
 def seeded_cache(storage_data) -> Cache | None:
@@ -145,6 +152,15 @@ def confirmed(storage_data, step: int) -> tuple[dict[bytes, int], dict[bytes, by
     return {k: d for k, d in zip(keys, depths) if d != NOT_STORED}, roots if isinstance(roots, dict) else {}
 
 
+def chains_below(storage_data, step: int) -> dict[bytes, set]:
+    """Confirmed delta key -> the keys below it down its chain (see confirm); a delta missing
+    here (its chain could not be read) is not coded against."""
+    below = storage_data.get(BELOW) if answers(storage_data, step) else None
+    if not isinstance(below, dict):
+        return {}
+    return {k: set(v) for k, v in below.items() if isinstance(k, bytes) and isinstance(v, list)}
+
+
 @dataclass
 class RankDeltas:
     """One rank's delta coding in one save: what it may code against, and the cache it fills."""
@@ -154,6 +170,7 @@ class RankDeltas:
     roots: dict  # confirmed key whose chain is full -> its chain's root (a full object file)
     max_chain: int
     memory: int | None = None  # bytes of this save kept for the next; None: all (CasWriter's delta_memory)
+    below: dict = field(default_factory=dict)  # confirmed delta key -> keys below it (chains_below)
     current: Cache = field(default_factory=Cache)
     kept_bytes: int = 0
 
@@ -173,6 +190,8 @@ class RankDeltas:
         if depth >= self.max_chain:
             root = self.roots.get(key)
             return (root, None, 0, None) if isinstance(root, bytes) else None
+        if depth > 0 and key not in self.below:  # its chain could not be read: no telling what is below
+            return None
         if prev.data is None:
             return key, None, depth, None
         below = (prev.below_keys[index], prev.below[start:end]) if index in prev.below_keys else None

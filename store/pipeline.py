@@ -139,10 +139,14 @@ def _delta_bases(session: WriteSession, todo: list, max_chain: int) -> list:
         out.append(None)
         if depth is not None and max_chain > 0:
             full[n] = cand[0]
+    deltas = {n: base[0] for n, base in enumerate(out) if base is not None and base[2] > 0}
     try:
-        chains = session.store.chains(full.values()) if full else {}
+        chains = session.store.chains(list(full.values()) + list(deltas.values())) if full or deltas else {}
     except CorruptionError:  # a damaged index (a cycle of bases) is verify's to report: these chunks go whole
         chains = {}
+    for n, base in deltas.items():  # a chunk whose key is below its base (a rollback over a lost file): whole
+        if base not in chains or todo[n][3] in chains[base]:
+            out[n] = None
     roots = {n: chains[top][-1] for n, top in full.items() if top in chains}
     if roots:  # held from here on, so no gc can take a root before the commit
         present = session.hold(list(roots.values()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -78,3 +79,27 @@ def test_a_store_on_a_read_only_filesystem_is_opened_read_only_for_loading(tmp_p
                 store.delete(1)
     finally:
         subprocess.run(["umount", str(view)], capture_output=True)
+
+
+def test_opening_a_store_while_another_thread_is_in_a_write_transaction(tmp_path):
+    """Each Index opened its tables again, which starts an LMDB transaction that waits for the
+    writer lock while holding the GIL: opening a store while another thread of the process
+    was committing (a DCP async save) deadlocked. Table handles are shared per environment."""
+    code = textwrap.dedent(f"""
+        import faulthandler, threading, time, cas
+        faulthandler.dump_traceback_later(30, exit=True)
+        store = cas.open({str(tmp_path / 's')!r})
+        inside = threading.Event()
+        def writer():
+            with store.index.write():
+                inside.set()
+                time.sleep(0.5)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        inside.wait()
+        cas.open({str(tmp_path / 's')!r}, create=False).close()
+        thread.join()
+        print("opened")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "opened", out.stderr[-1500:]

@@ -883,3 +883,24 @@ def test_dcp_ranks_code_steady_motion_as_linear_deltas(tmp_path, memory):
     cdcp.load(out, path, 5, no_dist=True)
     assert out["w"].equal(states[-1])
     assert out["h"].view(torch.uint8).equal(states[-1].to(torch.bfloat16).view(torch.uint8))
+
+
+@pytest.mark.parametrize("damage", ["header", "missing"])
+def test_a_rollback_over_a_lost_base_file_codes_no_cycle_of_bases(tmp_path, damage):
+    """Step 2's chunks are deltas of step 1's; step 1's file is damaged or gone; step 3 saves
+    step 1's state again. The rank used to code the chunk against its base, step 2's chunk,
+    whose chain holds that very chunk: a committed cycle no load could follow. The coordinator
+    now sends each confirmed delta's chain, and such a chunk is written whole."""
+    path = str(tmp_path / "s")
+    states = _rolled_back_states()
+    for step in (1, 2):
+        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+    with cas.open(path, readonly=True) as store:
+        file = store.objects.files.path(store.tensors(1)[0]["chunks"][0])
+    if damage == "header":
+        with open(file, "r+b") as f:
+            f.write(b"XXXX")
+    else:
+        os.unlink(file)
+    cdcp.save({"w": states[1].clone()}, path, 3, no_dist=True, chunk_size=CHUNK, delta=True)
+    assert _loads_bit_for_bit(path, 3, states[1]) and _loads_bit_for_bit(path, 2, states[2])
