@@ -15,6 +15,7 @@ from typing import Callable
 import msgpack
 import numpy as np
 import torch
+from torch.nn.parameter import is_lazy
 
 from cas import faults
 from cas.codecs import CodecPolicy, parse_header
@@ -442,6 +443,8 @@ class Store:
             if is_stateful(target):
                 own: dict[str, torch.Tensor] = {}
                 walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
+                if any(is_lazy(t) for t in own.values()):  # a lazy module: load_state_dict gives it shapes
+                    continue
                 for path, t in own.items():
                     into.setdefault(path, t)
                 if isinstance(target, torch.nn.Module):

@@ -223,3 +223,14 @@ def test_stateful_objects_inside_an_ordered_dict_are_saved_as_their_state(store)
     model = torch.nn.Linear(4, 4)
     store.save(OrderedDict(model=model), step=1)
     assert torch.equal(store.load(1)["model"]["weight"], model.weight)
+
+
+def test_restore_into_a_lazy_module_gives_it_its_shapes(store):
+    """An uninitialized parameter has no shape to check or decode into: load_state_dict
+    materializes it from freshly decoded tensors."""
+    saved = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
+    saved(torch.randn(2, 3))
+    store.save({"model": saved}, step=1)
+    target = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
+    store.restore({"model": target})
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), saved.state_dict().values()))
