@@ -294,14 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_on_store(fn, store_cls, path: str, args) -> int:
     """Run a command on the store at `path`. A command that may create the store (import)
     and fails leaves no store behind that it created: bad input changes nothing."""
-    fresh = fn.cli_creates_store and not os.path.exists(os.path.join(path, "config"))
     existed = os.path.lexists(path)
-    code = EXIT_USAGE
+    code, created = EXIT_USAGE, False
     try:
         with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
+            created = store.created  # by this open, under the creation lock: not another process's
             code = fn(store, args)
     finally:
-        if fresh and code != EXIT_OK and os.path.exists(os.path.join(path, "config")):
+        if created and code != EXIT_OK:
             with store_cls(path, create=False) as store:
                 empty = not store.checkpoints()
             if empty:

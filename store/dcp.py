@@ -948,7 +948,7 @@ def _region(item: ReadItem, node: dict) -> tuple[_Region, list]:
     base = spans[0][1] if spans else lo
     buffer = np.empty((spans[-1][2] - base) if spans else 0, dtype=np.uint8)
     path = f"tensors.{item.storage_index.fqn}"
-    jobs = [(path, node["chunks"][i], buffer[s - base:e - base]) for i, s, e in spans]
+    jobs = [(path, node["chunks"][i], buffer[s - base:e - base], False) for i, s, e in spans]  # fresh buffers
     return _Region(item, node, buffer, lo - base, rows), jobs
 
 

@@ -477,7 +477,7 @@ def _wide(x) -> np.ndarray:
 def max_abs_diff(x, y) -> float:
     """The largest |x - y| over the elements (the modulus for complex values). Equal values,
     infinities included, and NaN against NaN count 0; NaN against a number counts infinity."""
-    wx, wy = _wide(x), _wide(y)
+    wx, wy = _wide(x).reshape(-1), _wide(y).reshape(-1)  # 0-dim too (AdamW's step counters)
     if wx.size == 0:
         return 0.0
     with np.errstate(invalid="ignore"):  # inf - inf is NaN, set right below

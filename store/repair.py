@@ -126,7 +126,21 @@ def _choose(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectReco
         prev = old.get(key)
         same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
         out[key] = same[0] if same else min(recs, key=rank)
+    for key in out:  # an old index's records can still form a cycle: such a chain takes its best copies
+        if not _reaches_full(out, key):
+            out[key] = min(copies[key], key=rank)
     return out
+
+
+def _reaches_full(records: dict[bytes, ObjectRecord], key: bytes) -> bool:
+    for _ in range(MAX_CHAIN_DECODE + 1):
+        rec = records.get(key)
+        if rec is None:
+            return False
+        if rec.base is None:
+            return True
+        key = rec.base
+    return False
 
 
 def _same_copy(rec: ObjectRecord, prev: ObjectRecord) -> bool:

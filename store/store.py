@@ -101,6 +101,7 @@ class Store:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.layout = L.Layout(self.path)
+        self.created = False  # whether this open created the store
         if not os.path.exists(self.layout.config):
             if not (create and not readonly and L.can_create(self.path)):
                 L.read_config(self.layout)  # raises the precise NotAStoreError
@@ -143,7 +144,7 @@ class Store:
         L.check_chunk_size(chunk_size)
         with L.creation_lock(self.path):
             if os.path.exists(self.layout.config):
-                return
+                return  # another process created it while this one waited
             if not L.can_create(self.path):  # someone put something else here meanwhile
                 L.read_config(self.layout)
             for folder in (self.layout.index, self.layout.objects, self.layout.packs, self.layout.tmp):
@@ -151,6 +152,7 @@ class Store:
             faults.point("store.creating")
             Index(self.layout.index, create=True, extra_tables=(REGISTRY_TABLE,)).close()
             L.write_config(self.layout, chunk_size=chunk_size)
+            self.created = True
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -426,7 +428,12 @@ class Store:
         Returns the checkpoint's top-level entries, with each stateful target in place of its
         state dict. Tensors are decoded straight into the targets' own tensors where dtype and
         shape match, so no second full copy of a model is held; memory two entries share (tied
-        weights) is decoded into once, the other entry through load_state_dict."""
+        weights) is decoded into once, the other entry through load_state_dict. Only verified
+        bytes are written into a target. Modules are checked against the checkpoint first and
+        restored last, after every other target accepted its state: a module that does not fit
+        (StateMismatchError) or another target that refuses its state leaves the modules as they
+        were. A damaged object (CorruptionError) stops the restore with the targets partly
+        restored, each chunk either as it was or as the checkpoint holds it."""
         self._check_open()
         if not isinstance(targets, dict):
             raise TypeError("restore takes a dict of targets, like the state that was saved")
@@ -451,23 +458,37 @@ class Store:
                     modules[str(key)] = own
         if modules:
             self._check_modules_fit(ck, modules)
-        loaded = self._load(ck, None, tensors.without_shared_memory(into))
+        into = tensors.without_shared_memory(into)
+        if not isinstance(top, dict):  # no targets (a dict of targets names top-level entries)
+            return self._load(ck, None, into)
+        # Everything but the modules first: an optimizer or scheduler that refuses its state
+        # (another number of parameter groups, say) then leaves the model untouched.
+        first = [k for k in top if k not in modules]
+        loaded = self._load(ck, first, into) if first else {}
+        self._load_targets(targets, loaded)
+        if modules:
+            loaded.update(self._load(ck, list(modules), into))
+            self._load_targets(targets, loaded)
+        return {k: loaded[k] for k in top}
+
+    @staticmethod
+    def _load_targets(targets: dict, loaded: dict) -> None:
+        """Hand each stateful target its loaded state (once), and put the target in its place."""
         for key, target in targets.items():
-            if is_stateful(target):
+            if is_stateful(target) and key in loaded and loaded[key] is not target:
                 target.load_state_dict(loaded[key])
                 loaded[key] = target
-        return loaded
 
     def _check_modules_fit(self, ck: Checkpoint, modules: dict[str, dict[str, torch.Tensor]]) -> None:
         """Refuse, before any byte is decoded into them, module targets whose tensors
         load_state_dict would refuse (a missing or unexpected name, another shape): a failed
         restore must leave the model as it was."""
-        stored = dict(self._tensor_nodes(ck.step))
         for key, own in modules.items():
-            theirs = {p: n for p, n in stored.items() if p.startswith(key + ".")}
+            theirs = dict(self._tensor_nodes(ck.step, key))
             missing = sorted(set(own) - set(theirs))
             unexpected = sorted(set(theirs) - set(own))
-            shapes = sorted(p for p in set(own) & set(theirs) if list(own[p].shape) != theirs[p]["shape"])
+            shapes = sorted(p for p in set(own) & set(theirs)  # a module's extra state may change its shape
+                            if list(own[p].shape) != theirs[p]["shape"] and "_extra_state" not in p.split("."))
             if missing or unexpected or shapes:
                 what = "; ".join(f"{label}: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}"
                                  for label, paths in (("not in the checkpoint", missing),
@@ -512,8 +533,9 @@ class Store:
         if node["k"] != "tensor":
             raise CorruptionError("a commit node appears inside a state tree", key=ref.key.hex(), step=step, path=path)
         out, view = tensors.output_for(node, into.get(path))
+        guarded = out is into.get(path)  # the caller's own tensor: only verified bytes may land in it
         for key, (start, end) in zip(node["chunks"], pipeline.chunk_spans(node["nbytes"], node["chunk"], node["skew"])):
-            jobs.append((path, key, view[start:end]))
+            jobs.append((path, key, view[start:end], guarded))
         return out
 
     def _node(self, key: bytes, step: int, path: str | None = None) -> dict:
@@ -648,8 +670,9 @@ class Store:
         return [{"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
                  "bytes": node["nbytes"], "chunks": node["chunks"]} for path, node in self._tensor_nodes(step)]
 
-    def _tensor_nodes(self, step: int) -> list[tuple[str, dict]]:
-        """(path, tensor node) of every tensor of a checkpoint, in state order."""
+    def _tensor_nodes(self, step: int, entry: str | None = None) -> list[tuple[str, dict]]:
+        """(path, tensor node) of every tensor of a checkpoint (of one top-level `entry` only,
+        when given), in state order."""
         self._check_open()
         ck = self._resolve(step)
         out: list[tuple[str, dict]] = []
@@ -661,8 +684,12 @@ class Store:
             elif node["k"] == "tensor":
                 out.append((path, node))
 
-        root = self._commit(ck)["tree"]
-        visit(root, "")
+        if entry is None:
+            visit(self._commit(ck)["tree"], "")
+        else:
+            top = self._top_value(ck)
+            if isinstance(top, dict) and entry in top:
+                walk_value(top[entry], visit, entry)
         return out
 
 
@@ -687,6 +714,8 @@ def _checked_metrics(metrics) -> dict:
     out = {}
     for k, v in metrics.items():
         if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
+            if v.size != 1 if isinstance(v, (np.ndarray, np.generic)) else v.numel() != 1:
+                raise TypeError(f"metric {k!r} must be one number, got a {type(v).__name__} of shape {tuple(v.shape)}")
             v = v.item()
         if type(v) is bool or not isinstance(v, (int, float)):
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
@@ -724,9 +753,9 @@ def _checked_meta(meta) -> dict:
     try:
         plain = msgpack.packb(meta, use_bin_type=True)  # as the registry record holds it
         pack(meta)  # and the commit node
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts): "
-                        f"{exc}") from None
-    # a copy: the caller of save_async may change its dict once the call returns
-    return msgpack.unpackb(plain, raw=False, strict_map_key=False)
+        # a copy: the caller of save_async may change its dict once the call returns
+        return msgpack.unpackb(plain, raw=False, strict_map_key=False)
+    except (TypeError, ValueError, OverflowError) as exc:  # a tuple key comes back unhashable, say
+        raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts "
+                        f"with str or int keys): {exc}") from None
 

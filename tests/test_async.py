@@ -234,3 +234,63 @@ def test_restore_into_a_lazy_module_gives_it_its_shapes(store):
     target = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
     store.restore({"model": target})
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), saved.state_dict().values()))
+
+
+def test_restore_fit_checks_one_entry_and_ignores_extra_state_shapes(store):
+    """A sibling entry named "model.ema" is not part of "model" (flat dotted paths made it look
+    so), and a module's extra state may change its shape (load_state_dict accepts it)."""
+
+    class WithExtra(torch.nn.Linear):
+        def __init__(self, n: int) -> None:
+            super().__init__(4, 4)
+            self.extra = torch.arange(float(n))
+
+        def get_extra_state(self):
+            return self.extra
+
+        def set_extra_state(self, state) -> None:
+            self.extra = state
+
+    model, ema = WithExtra(5), torch.nn.Linear(4, 4)
+    store.save({"model": model, "model.ema": ema}, step=1)
+    target = WithExtra(3)
+    store.restore({"model": target})
+    assert torch.equal(target.weight, model.weight) and torch.equal(target.extra, torch.arange(5.0))
+
+
+def test_a_target_that_refuses_its_state_leaves_the_model_untouched(store):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    store.save({"model": model, "opt": opt}, step=1)
+    target = torch.nn.Linear(4, 4)
+    before = target.weight.detach().clone()
+    with pytest.raises(ValueError, match="parameter groups"):
+        store.restore({"model": target, "opt": torch.optim.SGD(target.parameters(), lr=0.1)})
+    assert torch.equal(target.weight, before)
+
+
+def test_a_damaged_chunk_never_lands_in_a_restore_target(tmp_path):
+    """Restore decodes into the caller's tensors: a damaged chunk is refused before any of its
+    bytes reach them (each chunk ends up as it was, or as the checkpoint holds it)."""
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, compress=False) as store:
+        model = torch.nn.Linear(256, 256)  # 256 KiB of weight: 4 chunks as files
+        store.save({"model": model}, step=1)
+        key = next(t for t in store.tensors(1) if t["path"] == "model.weight")["chunks"][2]
+        path = store.objects.files.path(key)
+        with open(path, "r+b") as f:
+            f.seek(-100, 2)
+            f.write(b"\xff" * 50)
+        target = torch.nn.Linear(256, 256)
+        before = target.weight.detach().clone()
+        with pytest.raises(cas.CorruptionError, match=key.hex()):
+            store.restore({"model": target})
+        rows = slice(2 * 64, 3 * 64)  # the damaged chunk's rows: 64 rows of 256 floats each
+        assert torch.equal(target.weight[rows], before[rows])
+
+
+def test_meta_and_metrics_refusals_name_what_is_wrong(store):
+    with pytest.raises(TypeError, match="meta"):
+        store.save({"w": torch.ones(1)}, step=1, meta={(1, 2): 3})
+    with pytest.raises(TypeError, match="metric 'loss' must be one number"):
+        store.save({"w": torch.ones(1)}, step=1, metrics={"loss": torch.zeros(2)})
+    assert store.checkpoints() == []

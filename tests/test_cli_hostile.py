@@ -174,3 +174,16 @@ def test_a_refused_import_into_an_empty_folder_leaves_the_empty_folder(tmp_path)
     torch.save({"e": Payload(str(tmp_path / "pwned"))}, evil)
     out = run("import", evil, store=target)
     assert out.returncode == 2 and target.is_dir() and os.listdir(target) == []
+
+
+def test_diff_of_checkpoints_whose_0_dim_tensors_changed(tmp_path):
+    """AdamW keeps each parameter's step count as a 0-dim float tensor: diff of any two real
+    training checkpoints crashed on it."""
+    with cas.open(tmp_path / "s") as store:
+        store.save({"step": torch.tensor(1.0), "w": torch.ones(3)}, step=1)
+        store.save({"step": torch.tensor(2.0), "w": torch.ones(3)}, step=2)
+        report = store.diff(1, 2)
+    changed = [t for t in report.tensors if t.path == "step"]
+    assert changed and changed[0].max_abs_diff == 1.0
+    out = run("diff", 1, 2, "--json", store=tmp_path / "s")
+    assert out.returncode == 0, out.stderr
