@@ -33,7 +33,7 @@ Run from the repository root (full: about 6-8 minutes, ~2 GiB RAM, ~12 GB of /tm
     .venv/bin/python bench/bench_delta.py                # JSON to bench/out/delta.json
     .venv/bin/python bench/bench_delta.py --quick        # ~1 M parameters, few checkpoints (<1 min)
     .venv/bin/python bench/bench_delta.py --out x.json
-    .venv/bin/python bench/bench_delta.py --only "every 10"   # one series (~3 min)
+    .venv/bin/python bench/bench_delta.py --only "every 10 steps"   # one series (~3 min)
 
 Stores go to a fresh folder under /tmp, deleted at the end. GB = 1e9 bytes.
 """
