@@ -445,7 +445,7 @@ class Store:
             raise CheckpointNotFoundError(f"checkpoint step {ck.step} has no entries {missing} to restore "
                                           f"into (it has {have})")
         into: dict[str, torch.Tensor] = {}
-        modules: dict[str, dict[str, torch.Tensor]] = {}
+        modules: dict = {}  # top-level key (as the state has it) -> the module's tensors by path
         for key, target in targets.items():
             if is_stateful(target):
                 own: dict[str, torch.Tensor] = {}
@@ -455,7 +455,7 @@ class Store:
                 for path, t in own.items():
                     into.setdefault(path, t)
                 if isinstance(target, torch.nn.Module):
-                    modules[str(key)] = own
+                    modules[key] = own
         if modules:
             self._check_modules_fit(ck, modules)
         into = tensors.without_shared_memory(into)
@@ -479,7 +479,7 @@ class Store:
                 target.load_state_dict(loaded[key])
                 loaded[key] = target
 
-    def _check_modules_fit(self, ck: Checkpoint, modules: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _check_modules_fit(self, ck: Checkpoint, modules: dict) -> None:
         """Refuse, before any byte is decoded into them, module targets whose tensors
         load_state_dict would refuse (a missing or unexpected name, another shape): a failed
         restore must leave the model as it was."""
@@ -670,7 +670,7 @@ class Store:
         return [{"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
                  "bytes": node["nbytes"], "chunks": node["chunks"]} for path, node in self._tensor_nodes(step)]
 
-    def _tensor_nodes(self, step: int, entry: str | None = None) -> list[tuple[str, dict]]:
+    def _tensor_nodes(self, step: int, entry=None) -> list[tuple[str, dict]]:
         """(path, tensor node) of every tensor of a checkpoint (of one top-level `entry` only,
         when given), in state order."""
         self._check_open()
@@ -689,7 +689,7 @@ class Store:
         else:
             top = self._top_value(ck)
             if isinstance(top, dict) and entry in top:
-                walk_value(top[entry], visit, entry)
+                walk_value(top[entry], visit, str(entry))
         return out
 
 
