@@ -294,3 +294,12 @@ def test_meta_and_metrics_refusals_name_what_is_wrong(store):
     with pytest.raises(TypeError, match="metric 'loss' must be one number"):
         store.save({"w": torch.ones(1)}, step=1, metrics={"loss": torch.zeros(2)})
     assert store.checkpoints() == []
+
+
+def test_restore_targets_under_int_keys(store):
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store.save({0: model, 1: opt, "step": 5}, step=1)
+    target = torch.nn.Linear(3, 3)
+    loaded = store.restore({0: target, 1: torch.optim.SGD(target.parameters(), lr=0.1)})
+    assert list(loaded) == [0, 1, "step"] and loaded["step"] == 5 and torch.equal(target.weight, model.weight)
