@@ -126,9 +126,15 @@ def _choose(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectReco
         prev = old.get(key)
         same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
         out[key] = same[0] if same else min(recs, key=rank)
-    for key in out:  # an old index's records can still form a cycle: such a chain takes its best copies
-        if not _reaches_full(out, key):
-            out[key] = min(copies[key], key=rank)
+    changed = True
+    while changed:  # records that do not reach a full object (a cycle) take a copy whose base does
+        changed = False
+        for key in out:
+            if not _reaches_full(out, key):
+                good = [r for r in copies[key] if r.base is None or _reaches_full(out, r.base)]
+                if good and good[0] != out[key]:
+                    out[key] = min(good, key=rank)
+                    changed = True
     return out
 
 

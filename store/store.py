@@ -415,7 +415,7 @@ class Store:
         top-level entries are read. Every byte is checked against its hash."""
         self._check_open()
         ck = self._resolve(step)
-        state = self._load(ck, keys, {})
+        state = self._load(ck, keys)
         if device is not None:
             target = torch.device(device)
             state = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
@@ -444,39 +444,44 @@ class Store:
             have = list(top) if isinstance(top, dict) else []
             raise CheckpointNotFoundError(f"checkpoint step {ck.step} has no entries {missing} to restore "
                                           f"into (it has {have})")
-        into: dict[str, torch.Tensor] = {}
-        modules: dict = {}  # top-level key (as the state has it) -> the module's tensors by path
+        own_of: dict = {}  # target key -> {tensor path: its tensor}, for the targets decoded into
+        modules: dict = {}  # module targets' keys -> their tensors (checked against the checkpoint)
         for key, target in targets.items():
-            if is_stateful(target):
-                own: dict[str, torch.Tensor] = {}
-                walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
-                if any(is_lazy(t) for t in own.values()):  # a lazy module: load_state_dict gives it shapes
-                    continue
-                for path, t in own.items():
-                    into.setdefault(path, t)
-                if isinstance(target, torch.nn.Module):
-                    modules[key] = own
+            if not is_stateful(target):
+                continue
+            own: dict[str, torch.Tensor] = {}
+            walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
+            lazy = any(is_lazy(t) for t in own.values())  # load_state_dict gives a lazy module its shapes
+            if isinstance(target, torch.nn.Module):
+                modules[key] = {} if lazy else own
+            if not lazy:
+                own_of[key] = own
         if modules:
-            self._check_modules_fit(ck, modules)
-        into = tensors.without_shared_memory(into)
+            self._check_modules_fit(ck, {k: own for k, own in modules.items() if own})
+        into = _split_targets(own_of)
         if not isinstance(top, dict):  # no targets (a dict of targets names top-level entries)
-            return self._load(ck, None, into)
+            return self._load(ck, None)
         # Everything but the modules first: an optimizer or scheduler that refuses its state
         # (another number of parameter groups, say) then leaves the model untouched.
         first = [k for k in top if k not in modules]
         loaded = self._load(ck, first, into) if first else {}
-        self._load_targets(targets, loaded)
+        self._load_targets(targets, loaded, ck.step)
         if modules:
             loaded.update(self._load(ck, list(modules), into))
-            self._load_targets(targets, loaded)
+            self._load_targets(targets, loaded, ck.step)
         return {k: loaded[k] for k in top}
 
     @staticmethod
-    def _load_targets(targets: dict, loaded: dict) -> None:
-        """Hand each stateful target its loaded state (once), and put the target in its place."""
+    def _load_targets(targets: dict, loaded: dict, step: int) -> None:
+        """Hand each stateful target its loaded state (once), and put the target in its place.
+        A target that refuses its state is named in a StateMismatchError."""
         for key, target in targets.items():
             if is_stateful(target) and key in loaded and loaded[key] is not target:
-                target.load_state_dict(loaded[key])
+                try:
+                    target.load_state_dict(loaded[key])
+                except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                    raise StateMismatchError(f"restore target {key!r} refused the state of checkpoint step {step}: "
+                                             f"{exc}") from exc
                 loaded[key] = target
 
     def _check_modules_fit(self, ck: Checkpoint, modules: dict) -> None:
@@ -484,7 +489,7 @@ class Store:
         load_state_dict would refuse (a missing or unexpected name, another shape): a failed
         restore must leave the model as it was."""
         for key, own in modules.items():
-            theirs = dict(self._tensor_nodes(ck.step, key))
+            theirs = dict(self._nodes_of(ck, key))
             missing = sorted(set(own) - set(theirs))
             unexpected = sorted(set(theirs) - set(own))
             shapes = sorted(p for p in set(own) & set(theirs)  # a module's extra state may change its shape
@@ -514,12 +519,21 @@ class Store:
         tree = self._node(root.key, ck.step)
         return tree["v"] if tree["k"] == "value" else root
 
-    def _load(self, ck: Checkpoint, keys, into: dict):
+    def _load(self, ck: Checkpoint, keys, into: dict | None = None):
+        """Load the checkpoint's state (the top-level `keys` only, when given). `into`: per
+        top-level entry, {tensor path: the caller's tensor to decode into} (restore); kept per
+        entry because flat dotted paths of two entries can coincide ("model" holding "ema",
+        and an entry named "model.ema")."""
         value = self._top_value(ck)
         if keys is not None:
             value = _select(value, keys, ck.step)
         jobs: list = []
-        state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, into))
+        if into and isinstance(value, dict):
+            state = {k: walk_value(v, lambda ref, path, own=into.get(k, {}):
+                                   self._materialize(ref, path, ck.step, jobs, own), str(k))
+                     for k, v in value.items()}
+        else:
+            state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, {}))
         try:
             pipeline.read_tensor_chunks(self.objects, jobs, self._read_pool, window=4 * self._workers)
         except CorruptionError as exc:
@@ -670,11 +684,14 @@ class Store:
         return [{"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
                  "bytes": node["nbytes"], "chunks": node["chunks"]} for path, node in self._tensor_nodes(step)]
 
-    def _tensor_nodes(self, step: int, entry=None) -> list[tuple[str, dict]]:
-        """(path, tensor node) of every tensor of a checkpoint (of one top-level `entry` only,
-        when given), in state order."""
+    def _tensor_nodes(self, step: int) -> list[tuple[str, dict]]:
+        """(path, tensor node) of every tensor of a checkpoint, in state order."""
         self._check_open()
-        ck = self._resolve(step)
+        return self._nodes_of(self._resolve(step))
+
+    def _nodes_of(self, ck: Checkpoint, entry=None) -> list[tuple[str, dict]]:
+        """_tensor_nodes of a resolved checkpoint (of one top-level `entry` only, when given):
+        a restore reads the checkpoint it resolved, even if the step is replaced meanwhile."""
         out: list[tuple[str, dict]] = []
 
         def visit(ref: Ref, path: str):
@@ -691,6 +708,17 @@ class Store:
             if isinstance(top, dict) and entry in top:
                 walk_value(top[entry], visit, str(entry))
         return out
+
+
+def _split_targets(own_of: dict) -> dict:
+    """Per target key, the tensors to decode into, minus each one whose memory an earlier one
+    (of any target) shares: two decodes must never write the same bytes at once."""
+    flat = {(key, path): t for key, own in own_of.items() for path, t in own.items()}
+    kept = tensors.without_shared_memory(flat)
+    out: dict = {}
+    for (key, path), t in kept.items():
+        out.setdefault(key, {})[path] = t
+    return out
 
 
 def _select(value, keys, step: int):

@@ -303,3 +303,32 @@ def test_restore_targets_under_int_keys(store):
     target = torch.nn.Linear(3, 3)
     loaded = store.restore({0: target, 1: torch.optim.SGD(target.parameters(), lr=0.1)})
     assert list(loaded) == [0, 1, "step"] and loaded["step"] == 5 and torch.equal(target.weight, model.weight)
+
+
+def test_an_entry_whose_paths_look_like_a_targets_keeps_its_own_values(store):
+    """"model" holds a submodule "ema" and the state has an entry "model.ema": flat dotted
+    paths coincide, and the entry used to come back holding the module's tensors."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ema = torch.nn.Linear(2, 2)
+
+    net = Net()
+    other = {"weight": torch.full((2, 2), 7.0), "bias": torch.full((2,), 7.0)}
+    store.save({"model": net, "model.ema": other}, step=1)
+    target = Net()
+    loaded = store.restore({"model": target})
+    assert torch.equal(target.ema.weight, net.ema.weight)
+    assert torch.equal(loaded["model.ema"]["weight"], other["weight"])
+    assert loaded["model.ema"]["weight"] is not target.ema.weight
+
+
+def test_a_lazy_module_is_restored_last_too(store):
+    model = torch.nn.Sequential(torch.nn.LazyLinear(2))
+    model(torch.randn(1, 3))
+    opt = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias]}], lr=0.1)
+    store.save({"model": model, "opt": opt}, step=1)
+    target = torch.nn.Sequential(torch.nn.LazyLinear(2))
+    with pytest.raises(cas.StateMismatchError, match="'opt' refused"):
+        store.restore({"model": target, "opt": torch.optim.SGD(target.parameters(), lr=0.1)})
+    assert torch.nn.parameter.is_lazy(target[0].weight)  # untouched: still uninitialized

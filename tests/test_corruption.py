@@ -113,3 +113,17 @@ def test_new_bytes_counts_an_object_rewritten_because_its_file_vanished(store):
     os.unlink(store.objects.files.path(key))
     ck = store.save({"w": w}, step=2)
     assert store.objects.files.has(key) == size and ck.new_bytes >= size
+
+
+def test_repair_never_indexes_a_cycle_of_bases_when_a_chain_to_a_full_copy_exists():
+    """A has delta copies against B and C, B against A and C, C is whole: whatever the old
+    index said, the records chosen must reach C."""
+    from cas.index import WHERE_FILE, ObjectRecord
+    from cas.store.repair import _choose, _reaches_full
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    copies = {a: [ObjectRecord(WHERE_FILE, 10, 10, base=b), ObjectRecord(WHERE_FILE, 11, 10, base=c)],
+              b: [ObjectRecord(WHERE_FILE, 12, 10, base=a), ObjectRecord(WHERE_FILE, 13, 10, base=c)],
+              c: [ObjectRecord(WHERE_FILE, 14, 10)]}
+    for old in ({}, {a: copies[a][0], b: copies[b][0]}):
+        chosen = _choose(copies, old)
+        assert all(_reaches_full(chosen, key) for key in copies)
