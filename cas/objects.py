@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from .errors import MissingObjectError
 from .fanout import FanoutDir
-from .fsutil import fsync_dir, fsync_file, publish, read_file, unlink_quietly, write_tmp
+from .fsutil import fsync_dir, fsync_file, publish, read_file, read_head, unlink_quietly, write_tmp
 from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
@@ -65,8 +65,7 @@ class FileObjects(FanoutDir):
 
     def head(self, key: bytes, nbytes: int) -> bytes:
         try:
-            with open(self.path(key), "rb", buffering=0) as f:
-                return f.read(nbytes)
+            return read_head(self.path(key), nbytes)
         except FileNotFoundError:
             raise MissingObjectError("object file is missing", key=to_hex(key)) from None
         except OSError as exc:  # a directory, a symlink loop, unreadable: as get() reports them

@@ -360,21 +360,14 @@ class WriteSession:
                 raise MissingObjectError("an object a distributed writer reported is not in the store",
                                          key=key.hex())
             header = self.store.files.head(key, 64)
-        head = parse_header(header, key=key)
-        depth = 0
-        if head.base is not None:  # a delta keeps its base edge, which gc follows
-            with self.index.read() as txn:
-                base = self.index.record(txn, head.base)
-            if base is None:
-                raise MissingObjectError("the delta base of an object a distributed writer reported is not "
-                                         "in the store", key=head.base.hex())
-            depth = base.depth + 1
+        with self.index.read() as txn:
+            rec = self._file_record(txn, key, header, size, "an object a distributed writer reported")
         with self._lock:
             if key in self._written:
                 if replacement is not None:
                     unlink_quietly(replacement)
                 return size
-            self._written[key] = ObjectRecord(WHERE_FILE, size, head.raw_size, base=head.base, depth=depth)
+            self._written[key] = rec
             if replacement is not None:
                 self._staged.append((replacement, key))
         return size
@@ -394,13 +387,19 @@ class WriteSession:
             return None
         if rec.where == WHERE_PACK or replacing or self._holds(key, rec):
             return rec
-        head = parse_header(self.store.files.head(key, 64), key=key)
-        base = self.index.record(txn, head.base) if head.base is not None else None
-        if head.base is not None and base is None:
-            raise CorruptionError("another writer replaced this object's file with a delta whose base is not "
-                                  "in the store", key=key.hex())
-        return ObjectRecord(WHERE_FILE, self.store.files.has(key), head.raw_size, base=head.base,
-                            depth=base.depth + 1 if base is not None else 0)
+        return self._file_record(txn, key, self.store.files.head(key, 64), self.store.files.has(key),
+                                 "another writer's file of this object")
+
+    def _file_record(self, txn, key: bytes, header: bytes, size: int, what: str) -> ObjectRecord:
+        """The index record of a file object from its header: a delta keeps its base edge (gc
+        follows it), and its base must be indexed (`what` names the file in that error)."""
+        head = parse_header(header, key=key)
+        if head.base is None:
+            return ObjectRecord(WHERE_FILE, size, head.raw_size)
+        base = self.index.record(txn, head.base)
+        if base is None:
+            raise MissingObjectError(f"the delta base of {what} is not in the store", key=head.base.hex())
+        return ObjectRecord(WHERE_FILE, size, head.raw_size, base=head.base, depth=base.depth + 1)
 
     def _holds(self, key: bytes, rec: ObjectRecord) -> bool:
         """Whether the store holds the object as `rec` describes it (size, and base for a file)."""
