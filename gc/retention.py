@@ -70,8 +70,11 @@ class Retention:
                 or self.keep_best is not None or self.keep_within is not None)
 
     def decide(self, checkpoints: Iterable, now: _dt.datetime | None = None) -> dict[int, list[str]]:
-        """Step -> the rules that keep it, for every checkpoint; an empty list means remove."""
-        cks = sorted(checkpoints, key=lambda c: c.step)
+        """Step -> the rules that keep it, for every checkpoint; an empty list means remove.
+        "Last" and "newest" follow commit order (the record log), not steps: after a rollback
+        (step 200 restored, 210 saved after 400), the new line's checkpoints are the last ones,
+        so retention never removes the checkpoint a save just committed."""
+        cks = sorted(checkpoints, key=lambda c: (c.seq, c.step))
         now = now or _dt.datetime.now(_dt.timezone.utc)
         reasons: dict[int, list[str]] = {ck.step: [] for ck in cks}
         if self.keep_last:

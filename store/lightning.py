@@ -116,7 +116,7 @@ class CasCheckpointIO(CheckpointIO):
         if path in self._removed:
             return None
         listing = [ck for ck in cks if path in _paths(ck)]
-        return max(listing, key=lambda ck: ck.created) if listing else None
+        return max(listing, key=lambda ck: (ck.seq, ck.step)) if listing else None  # commit order, never a clock
 
     def _live_paths(self, ck: Checkpoint, cks: list[Checkpoint]) -> list[str]:
         """The paths that still name `ck`: listed by it, not moved on, not removed."""
