@@ -29,6 +29,8 @@ class Store(CheckpointStore):
 
         Rules come as a Retention or as its keywords (keep_last=5, keep_milestones=True, ...);
         with neither, nothing is removed and only garbage is swept."""
+        if not dry_run:
+            self._check_writable("collect garbage")
         self._check_open()
         if retention is not None and rules:
             raise TypeError("pass a Retention or rule keywords, not both")

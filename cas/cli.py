@@ -248,6 +248,8 @@ def cmd_gc(store, args) -> int:
     print(f"{'would free' if args.dry_run else 'freed'} {human(report.freed_bytes)} in {report.objects_swept} objects; "
           f"{len(report.kept)} checkpoints kept, {len(report.removed)} {verb}"
           + (" (dry run: nothing changed)" if args.dry_run else ""))
+    if report.deferred:
+        print(f"sweep deferred: {report.deferred}")
     return EXIT_OK
 
 
@@ -314,7 +316,9 @@ def _remove_new_store(path: str, *, remove_folder: bool) -> None:
     the user put there; the folder itself only if this command made it and it is empty."""
     import shutil
 
-    for name in ("config", "create.lock", "index", "objects", "packs", "tmp"):
+    from .store.layout import CONFIG_NAME, CREATE_LOCK, LAYOUT_FOLDERS
+
+    for name in (CONFIG_NAME, CREATE_LOCK, *LAYOUT_FOLDERS):
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target, ignore_errors=True)

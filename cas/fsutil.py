@@ -6,6 +6,7 @@ never modified; the only other writes are the store's config at creation.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -21,20 +22,77 @@ def host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
 
 
-def tmp_name(directory: str, stem: str) -> str:
+def tmp_name(directory: str, stem: str, *, owned: bool = False) -> str:
     """A temporary path no other writer (process or thread, on any host) will pick:
-    `.<stem>.<host>.<pid>.<thread>.<random>.tmp`."""
+    `.<stem>.<host>.<pid>.<thread>.<owner token><random>.tmp`. With `owned` (a store's tmp
+    folder, which gc cleans), the owner token names this process's owner file in `directory`
+    (owner_file), whose lock says whether it still runs; else it is random."""
+    token = _owner_token(directory) if owned else secrets.token_hex(4)
     return os.path.join(directory, f".{stem}.{host_tag()}.{os.getpid()}.{threading.get_ident()}."
-                                   f"{secrets.token_hex(4)}.tmp")
+                                   f"{token}{secrets.token_hex(4)}.tmp")
 
 
-def tmp_owner(name: str) -> tuple[str | None, int] | None:
-    """(host, pid) of a temporary file's writer from its name (host None in names written
-    before hosts were recorded); None for a name that is not one of ours."""
+def tmp_owner(name: str) -> tuple[str | None, int, str | None] | None:
+    """(host, pid, owner token) of a temporary file's writer from its name (host None in names
+    written before hosts were recorded, token None in names written before owner files); None
+    for a name that is not one of ours."""
     parts = name.split(".")
     if not name.endswith(".tmp") or len(parts) < 6 or not parts[-4].isdigit():
         return None
-    return (parts[-5] if len(parts) >= 7 else None), int(parts[-4])
+    token = parts[-2][:8] if len(parts[-2]) == 16 else None
+    return (parts[-5] if len(parts) >= 7 else None), int(parts[-4]), token
+
+
+OWNER_PREFIX = ".owner."
+_owners: dict[tuple[int, str], str] = {}  # (pid, real tmp folder) -> this process's owner token
+_owners_lock = threading.Lock()
+
+
+def owner_file(directory: str, host: str, pid: int, token: str) -> str:
+    return os.path.join(directory, f"{OWNER_PREFIX}{host}.{pid}.{token}")
+
+
+def _owner_token(directory: str) -> str:
+    """This process's owner token for temporary files in `directory`, making its owner file
+    on first use: created and flock'd under a temporary name, then linked into place, so it is
+    never seen unlocked while this process lives. The descriptor stays open (and the lock held)
+    until the process ends, however it ends; a forked child makes its own."""
+    key = (os.getpid(), os.path.realpath(directory))
+    with _owners_lock:
+        token = _owners.get(key)
+        if token is not None:
+            return token
+        token = secrets.token_hex(4)
+        final = owner_file(directory, host_tag(), os.getpid(), token)
+        staging = f"{final}.new"
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(staging, final)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            unlink_quietly(staging)
+        _owners[key] = token  # fd deliberately kept open: the lock lives as long as the process
+        return token
+
+
+def owner_alive(directory: str, host: str, pid: int, token: str) -> bool | None:
+    """Whether the process that owns temporary files under `token` still runs: True while its
+    owner file is locked, False once the lock can be taken, None when there is no owner file
+    (it cannot be judged, so its files are left alone)."""
+    try:
+        fd = os.open(owner_file(directory, host, pid, token), os.O_RDONLY | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def write_parts(fd: int, parts) -> int:
@@ -51,7 +109,7 @@ def write_parts(fd: int, parts) -> int:
 
 def write_tmp(path: str, parts, *, tmp_dir: str | None = None, fsync: bool = True) -> str:
     """Write `parts` to a fresh temporary file meant to become `path`; returns its name."""
-    tmp = tmp_name(tmp_dir or os.path.dirname(path), os.path.basename(path))
+    tmp = tmp_name(tmp_dir or os.path.dirname(path), os.path.basename(path), owned=tmp_dir is not None)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write_parts(fd, parts)

@@ -127,17 +127,24 @@ class Index:
     """The store's LMDB environment and its tables."""
 
     def __init__(self, path: str, *, readonly: bool = False, create: bool = False,
-                 map_size: int = DEFAULT_MAP_SIZE, extra_tables: tuple = ()) -> None:
+                 map_size: int = DEFAULT_MAP_SIZE, extra_tables: tuple = (), optional_tables: tuple = ()) -> None:
+        """`optional_tables`: opened when present; a read-only open of an index written before
+        they existed goes without them."""
         self.path = path
         self.readonly = readonly
         self.env, handles = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
         self.tables = {}
-        for name in _TABLES + tuple(extra_tables):
+        for name in _TABLES + tuple(extra_tables) + tuple(optional_tables):
             try:
                 with _envs_lock:
                     if name not in handles:  # the environment's first Index opens each table once
                         handles[name] = self.env.open_db(name.encode(), create=not readonly)
                     self.tables[name] = handles[name]
+            except lmdb.NotFoundError:
+                if name in optional_tables and readonly:
+                    continue
+                _release_env(path)
+                raise CasError(f"the store index at {path} has no table {name!r}; `cas repair` rebuilds it") from None
             except lmdb.Error as exc:
                 _release_env(path)
                 raise CasError(f"the store index at {path} cannot open table {name!r} ({exc}): it is damaged "
@@ -175,8 +182,11 @@ class Index:
         txn.put(key, rec.pack_bytes(), db=self.tables["objects"])
 
     # --- leases and holds ----------------------------------------------------------------
-    def new_lease(self, txn, lease: bytes, purpose: str) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "purpose": purpose}
+    def new_lease(self, txn, lease: bytes, purpose: str, *, file: bool = False) -> None:
+        """`file`: the writer holds a lease file whose lock proves it alive (cas.localfs); gc
+        judges a lease without one (a writer of an older cas) by its host and process id."""
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "purpose": purpose,
+                "file": file}
         txn.put(lease, msgpack.packb(info), db=self.tables["leases"])
 
     def hold(self, txn, lease: bytes, key: bytes) -> None:

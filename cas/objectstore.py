@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import threading
+import time
 from typing import Callable, TypeVar
 
+import msgpack
 import numpy as np
 
 from . import faults
@@ -27,6 +30,7 @@ from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CorruptionError, MissingObjectError, StoreClosedError
 from .fsutil import fsync_dir, read_head, unlink_quietly
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
+from .backend import Backend
 from .objects import ObjectBackend
 from .packs import PACK_TARGET, PackFiles
 
@@ -112,14 +116,31 @@ def last_below(nbytes: int) -> np.ndarray:
     return _level_buffer(nbytes)
 
 
+LEASE_PREFIX = "leases/"
+
+
+def lease_name(lease: bytes) -> str:
+    return f"{LEASE_PREFIX}{lease.hex()}"
+
+
+def begin_lease(backend: Backend | None, lease: bytes, purpose: str):
+    """Take a writer's lease file (None without a backend)."""
+    if backend is None:
+        return None
+    info = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                          "purpose": purpose})
+    return backend.lease(lease_name(lease), info)
+
+
 class ObjectStore:
     def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
-                 pack_max: int = DEFAULT_PACK_MAX) -> None:
+                 pack_max: int = DEFAULT_PACK_MAX, backend: Backend | None = None) -> None:
         self.index = index
         self.files = files
         self.packs = packs
         self.codec = codec
         self.pack_max = pack_max
+        self.backend = backend  # where writers' leases live (None: leases in the index alone)
 
     def record(self, key: bytes) -> ObjectRecord | None:
         with self.index.read() as txn:
@@ -212,8 +233,15 @@ class WriteSession:
         self._staged: list = []  # object files written, published (fsync, rename) at commit
         self._lock = threading.Lock()
         self._open = True
-        with self.index.write() as txn:
-            self.index.new_lease(txn, self.lease, purpose)
+        # The lease file first (its lock is what proves this writer alive to gc, in any PID
+        # namespace), then the index's lease that holds are recorded under; ended in reverse.
+        self._lease_file = begin_lease(store.backend, self.lease, purpose)
+        try:
+            with self.index.write() as txn:
+                self.index.new_lease(txn, self.lease, purpose, file=self._lease_file is not None)
+        except BaseException:
+            self._release_lease_file()
+            raise
 
     def __enter__(self) -> "WriteSession":
         return self
@@ -268,6 +296,11 @@ class WriteSession:
         with self._lock:
             rec = self._written.get(key) or self._records.get(key)
         return rec.base if rec is not None else None
+
+    def packs_written(self) -> list[bytes]:
+        """The pack files this session wrote (the record log names them with the checkpoint)."""
+        with self._lock:
+            return sorted({rec.pack for rec in self._written.values() if rec.where == WHERE_PACK})
 
     def delta_bases(self) -> dict[bytes, bytes]:
         """key -> base key of every delta this session wrote (also those still waiting for their
@@ -450,6 +483,7 @@ class WriteSession:
             self.index.bump_generation(txn)
             faults.point("commit.in_txn")
         self._open = False
+        self._release_lease_file()
         self.store.files.discard([(tmp, key) for key, tmp in replacements.items()])  # the index's stayed
         self._staged = []
         return result
@@ -465,6 +499,11 @@ class WriteSession:
                 self.index.end_lease(txn, self.lease)
         except Exception:  # the lease of a dead writer is reclaimed by gc anyway
             pass
+        self._release_lease_file()
+
+    def _release_lease_file(self) -> None:
+        if self._lease_file is not None:
+            self._lease_file.release()
 
     def _check_open(self) -> None:
         if not self._open:

@@ -23,8 +23,9 @@ from typing import Callable
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
-from cas.fsutil import host_tag, tmp_owner
+from cas.fsutil import OWNER_PREFIX, host_tag, owner_alive, owner_file, tmp_owner, unlink_quietly
 from cas.index import WHERE_PACK
+from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -168,6 +169,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                 progress: Progress | None) -> None:
     index, files = store.index, store.objects.files
     t0 = time.perf_counter()
+    store.ensure_cache()  # mark from a registry proven to match the store's record log
     with index.read() as txn:
         generation = index.generation(txn)
         roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
@@ -202,10 +204,10 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                 if now != generation:
                     new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
                     raise _Retry(now, new_roots)
-                barrier = _barrier(index, txn)
-                if barrier:
-                    report.deferred = (f"a writer that cannot hold objects one by one is in progress ({barrier}); "
-                                       "the rest of the sweep waits for the next gc")
+                if store.cache_is_stale(txn):  # another cache committed: mark again from the store
+                    raise _RegistryMoved()
+                report.deferred = _why_wait(store, txn)
+                if report.deferred:
                     break
                 held = _held_with_bases(index, txn)
                 for key in batch:
@@ -214,6 +216,9 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                     report.freed_bytes += _delete(store, txn, key, report)
                     report.objects_swept += 1
                 faults.point("gc.sweep_batch")
+        except _RegistryMoved:
+            store.ensure_cache()
+            raise
         except _Retry as retry:
             generation, new_roots = retry.args
             marker.generation = generation
@@ -226,8 +231,8 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
         compact_packs(store, report)
     files.sync()
     with index.read() as txn:
-        barrier = _barrier(index, txn)
-    if not barrier:  # a DCP save's ranks leave replacement files in tmp/ for its commit
+        waiting = _why_wait(store, txn)
+    if not waiting:  # a DCP save's ranks leave replacement files in tmp/ for its commit
         clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
 
@@ -266,7 +271,7 @@ def compact_packs(store, report: GcReport) -> None:
         except (CorruptionError, OSError):
             continue  # a damaged pack is verify's and repair's business, never gc's
         with index.write() as txn:
-            if _barrier(index, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
+            if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 continue
             live = [k for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack]
             if not live:
@@ -305,6 +310,33 @@ def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> No
 BARRIER_PREFIX = "barrier:"
 
 
+def _why_wait(store, txn) -> str | None:
+    """Why no object may be deleted now, if something forbids it: a live barrier lease (a
+    distributed save whose ranks reuse objects without recording holds), or a live writer this
+    cache does not know (its holds are in another cache: an index deleted or replaced under a
+    running process), whose objects it cannot account for."""
+    barrier = _barrier(store.index, txn)
+    if barrier:
+        return f"a writer that cannot hold objects one by one is in progress ({barrier}); the sweep waits for it"
+    unknown = unknown_writer(store, txn)
+    if unknown:
+        return (f"a live writer ({unknown}) holds objects in another index than this one (was the index deleted "
+                "or replaced while it ran?); the sweep waits until it ends")
+    return None
+
+
+def unknown_writer(store, txn) -> str | None:
+    """A live lease file whose lease this cache does not hold, if any."""
+    backend = store.objects.backend
+    if backend is None:
+        return None
+    known = {lease_name(lid) for lid in store.index.leases(txn)}
+    for name in backend.list(LEASE_PREFIX):
+        if name not in known and backend.lease_alive(name):
+            return name
+    return None
+
+
 def _barrier(index, txn) -> str | None:
     """A live lease whose purpose starts with "barrier:" (a distributed save, whose ranks reuse
     objects without recording holds) stops every sweep batch until it ends. Checked inside each
@@ -313,6 +345,17 @@ def _barrier(index, txn) -> str | None:
         if str(info.get("purpose", "")).startswith(BARRIER_PREFIX):
             return info["purpose"][len(BARRIER_PREFIX):]
     return None
+
+
+def _lease_dead(store, lease: bytes, info: dict, host: str) -> bool:
+    """Whether a writer's lease is provably over. A lease with a lease file is over when the
+    file's lock can be taken (the kernel dropped it with its holder, however it died, in any
+    PID namespace) or the file is gone; one without (written by an older cas) when it is this
+    host's and its process id is gone, as that cas judged it."""
+    backend = store.objects.backend
+    if info.get("file") and backend is not None:
+        return not backend.lease_alive(lease_name(lease))
+    return info.get("host") == host and isinstance(info.get("pid"), int) and not _pid_alive(info["pid"])
 
 
 def _pid_alive(pid: int) -> bool:
@@ -326,28 +369,50 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reap_dead_leases(store) -> int:
-    """End the leases of writers on this host whose process is gone (a crashed save). Leases of
-    other hosts are left alone: their holds only delay reclaiming, never lose data."""
+    """End the leases of writers that are provably gone (a crashed save): never on a guess, so
+    a live writer in another PID namespace keeps its holds. Leases that cannot be judged stay:
+    their holds only delay reclaiming, never lose data."""
     host = socket.gethostname()
     with store.index.read() as txn:
         leases = store.index.leases(txn)
-    dead = [lid for lid, info in leases.items()
-            if info.get("host") == host and isinstance(info.get("pid"), int) and not _pid_alive(info["pid"])]
+    dead = [lid for lid, info in leases.items() if _lease_dead(store, lid, info, host)]
     if dead:
         with store.index.write() as txn:
             for lid in dead:
                 store.index.end_lease(txn, lid)
+        for lid in dead:
+            if store.objects.backend is not None:
+                store.objects.backend.delete(lease_name(lid))
     return len(dead)
 
 
 def clean_tmp(store) -> None:
-    """Remove temporary files that writers on this host left when they died (a writer on
-    another host sharing the filesystem, a DCP rank, is not judged by a local process id)."""
+    """Remove temporary files whose writer is provably gone: its owner file's lock can be taken
+    (a live writer in another PID namespace, or on another host sharing the filesystem, keeps
+    its lock, so its files stay). Files of writers from before owner files are judged as that
+    cas did: this host's, with their process id gone. Then the dead owners' files go too."""
     tmp, host = store.layout.tmp, host_tag()
-    for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
+    names = os.listdir(tmp) if os.path.isdir(tmp) else []
+    dead_owners: set[str] = set()
+    for name in names:
         owner = tmp_owner(name)
-        if owner is not None and owner[0] in (host, None) and not _pid_alive(owner[1]):
-            try:
-                os.unlink(os.path.join(tmp, name))
-            except FileNotFoundError:
-                pass
+        if owner is None:
+            continue
+        writer_host, pid, token = owner
+        if token is not None:
+            alive = owner_alive(tmp, writer_host or host, pid, token)
+            if alive is False:
+                dead_owners.add(owner_file(tmp, writer_host or host, pid, token))
+            if alive is not False:
+                continue
+        elif writer_host not in (host, None) or _pid_alive(pid):
+            continue
+        unlink_quietly(os.path.join(tmp, name))
+    for name in names:
+        path = os.path.join(tmp, name)
+        if name.startswith(OWNER_PREFIX) and not name.endswith(".new"):
+            parts = name[len(OWNER_PREFIX):].split(".")
+            if len(parts) == 3 and parts[1].isdigit() and owner_alive(tmp, parts[0], int(parts[1]), parts[2]) is False:
+                dead_owners.add(path)
+    for path in dead_owners:  # after their files: a file left without its owner would never go
+        unlink_quietly(path)

@@ -99,7 +99,7 @@ from . import dcp_bases
 from . import layout as L
 from . import pipeline
 from . import tensors as T
-from .registry import Checkpoint, exists_error
+from .registry import Checkpoint, add_change, exists_error
 from .store import (DEFAULT_MAX_CHAIN, DELTA_MIN_BYTES, Store, _checked_delta_memory, _checked_max_chain, _checked_meta,
                     _checked_metrics)
 from .tree import Ref, TensorLeaf, chunk_spans, commit_node, parse_node
@@ -788,8 +788,8 @@ class CasWriter(StorageWriter):
                             created=_dt.datetime.fromtimestamp(pending.created, _dt.timezone.utc),
                             milestone=self.milestone, metrics=self.metrics, meta=meta,
                             logical_bytes=manifest.logical_bytes, new_bytes=session.new_bytes)
-            store.registry.add(txn, ck)
-            return ck
+            seq = store.registry.commit(txn, "save", [add_change(ck, session.packs_written())])
+            return dataclasses.replace(ck, seq=seq)
 
         return session.commit(add)
 

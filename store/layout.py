@@ -4,6 +4,8 @@
     <root>/index/        the LMDB environment (cas.index)
     <root>/objects/ab/…  large objects, one file each (cas.objects)
     <root>/packs/ab/…    small objects, many to a pack file (cas.packs)
+    <root>/log/…         the record log: every registry change, one immutable entry each (store/records.py)
+    <root>/leases/…      writers in progress, each a file its holder keeps flock'd (cas.localfs)
     <root>/tmp/          temporary files of writes in progress
     <root>/create.lock   flock'd while a store is created (processes may open a new path at once)
 
@@ -27,11 +29,12 @@ import msgpack
 from cas.errors import CasError, FormatVersionError, NotAStoreError
 from cas.fsutil import atomic_write, fsync_dir, read_file
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: the registry is the record log; 1: it lived only in LMDB (migrated on a writable open)
+READABLE_FORMATS = (1, 2)
 CONFIG_MAGIC = b"cas-store\n"
 CONFIG_NAME = "config"
 CREATE_LOCK = "create.lock"
-LAYOUT_FOLDERS = ("index", "objects", "packs", "tmp")
+LAYOUT_FOLDERS = ("index", "objects", "packs", "log", "leases", "tmp")
 DEFAULT_CHUNK_SIZE = 4 << 20  # see README, "Chunk size": dedup granularity vs. per-object cost
 MIN_CHUNK_SIZE = 64 << 10
 MAX_CHUNK_SIZE = 256 << 20
@@ -66,6 +69,10 @@ class Layout:
         return os.path.join(self.root, "packs")
 
     @property
+    def log(self) -> str:
+        return os.path.join(self.root, "log")
+
+    @property
     def tmp(self) -> str:
         return os.path.join(self.root, "tmp")
 
@@ -87,9 +94,9 @@ def read_config(layout: Layout) -> Config:
         fmt = raw["format"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         raise NotAStoreError(f"the cas config at {layout.config} is damaged") from None
-    if fmt != STORE_FORMAT:
+    if fmt not in READABLE_FORMATS:
         raise FormatVersionError(f"the store at {layout.root} has format version {fmt!r}; this cas "
-                                 f"reads version {STORE_FORMAT} (upgrade cas to open it)")
+                                 f"reads versions {READABLE_FORMATS} (upgrade cas to open it)")
     try:
         config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]))
     except (KeyError, TypeError, ValueError):
@@ -139,10 +146,13 @@ def check_chunk_size(chunk_size: int) -> None:
                        f"got {chunk_size!r}")
 
 
-def write_config(layout: Layout, *, chunk_size: int) -> None:
+def write_config(layout: Layout, *, chunk_size: int, store_id: str | None = None,
+                 created: float | None = None) -> None:
     """Write the config of a new store: the last step of creating one, so that a half-made
-    store is not a store."""
-    body = msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size, "created": time.time(),
-                          "store_id": secrets.token_hex(8)})
+    store is not a store. (Rewritten once more, with the same id, when a format-1 store is
+    upgraded: an atomic replace, so it holds one format or the other.)"""
+    body = msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size,
+                          "created": time.time() if created is None else created,
+                          "store_id": store_id or secrets.token_hex(8)})
     atomic_write(layout.config, [CONFIG_MAGIC, body])
     fsync_dir(layout.root)

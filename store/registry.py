@@ -1,22 +1,36 @@
-"""The checkpoint registry: step -> record, an LMDB table in the store's index.
+"""The checkpoint registry: step -> record, the fold of the store's record log, cached in LMDB.
 
-Keys are the step as 8 big-endian bytes with the sign bit flipped, so a cursor walks steps in
-ascending order. Values are msgpack maps (docs/format.md, "Registry"). A checkpoint exists
-exactly when its record does: adding the record is the commit.
+The truth is the record log (store/records.py): every change is one immutable entry, written
+create-only inside the LMDB write transaction that applies it to the cache, after every object
+it references is durable. The cache tables are rebuilt from the log whenever they do not
+provably match it (store/cache.py), so losing, damaging or rolling back the LMDB file loses no
+checkpoint and no flag.
+
+Cache tables (docs/format.md, "Index"): `checkpoints` step -> record (the step as 8 big-endian
+bytes with the sign bit flipped, so a cursor walks steps in ascending order); `order` commit
+order (entry seq, step) -> b"", so the newest checkpoint is the most recently committed one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgpack
 
-from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError
+from cas import faults
+from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError, StoreWriteError
+
+from .records import Entry, RecordLog
 
 TABLE = "checkpoints"
+ORDER_TABLE = "order"
+TABLES = (TABLE, ORDER_TABLE)
 RECORD_FORMAT = 1
 _BIAS = 1 << 63
+APPEND_ATTEMPTS = 5  # entries another cache committed meanwhile, folded in before trying again
 
 
 def step_key(step: int) -> bytes:
@@ -44,6 +58,7 @@ class Checkpoint:
     logical_bytes: int  # tensor bytes it holds
     new_bytes: int  # bytes its save added on disk
     pinned: bool = False
+    seq: int = 0  # the record log entry that committed it: commit order, never the wall clock
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -53,14 +68,17 @@ class Checkpoint:
     def to_json(self) -> dict:
         return {"step": self.step, "id": self.id, "created": self.created.isoformat(),
                 "milestone": self.milestone, "pinned": self.pinned, "metrics": self.metrics, "meta": self.meta,
-                "logical_bytes": self.logical_bytes, "new_bytes": self.new_bytes}
+                "logical_bytes": self.logical_bytes, "new_bytes": self.new_bytes, "seq": self.seq}
+
+
+_KNOWN = {"format", "id", "created", "milestone", "pinned", "metrics", "meta", "logical_bytes", "new_bytes", "seq"}
 
 
 def _pack(ck: Checkpoint) -> bytes:
     return msgpack.packb({"format": RECORD_FORMAT, "id": ck.key, "created": ck.created.timestamp(),
                           "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics,
                           "meta": ck.meta, "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes,
-                          **ck.extra}, use_bin_type=True)
+                          "seq": ck.seq, **ck.extra}, use_bin_type=True)
 
 
 def _unpack(step: int, data: bytes) -> Checkpoint:
@@ -71,13 +89,36 @@ def _unpack(step: int, data: bytes) -> Checkpoint:
             created=_dt.datetime.fromtimestamp(rec["created"], _dt.timezone.utc),
             milestone=bool(rec["milestone"]), pinned=bool(rec.get("pinned", False)),
             metrics=dict(rec["metrics"]), meta=dict(rec["meta"]),
-            logical_bytes=int(rec["logical_bytes"]), new_bytes=int(rec["new_bytes"]),
+            logical_bytes=int(rec["logical_bytes"]), new_bytes=int(rec["new_bytes"]), seq=int(rec.get("seq", 0)),
             extra={k: v for k, v in rec.items() if k not in _KNOWN})
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise CorruptionError(f"registry record of step {step} is damaged: {exc}") from None
 
 
-_KNOWN = {"format", "id", "created", "milestone", "pinned", "metrics", "meta", "logical_bytes", "new_bytes"}
+def add_change(ck: Checkpoint, packs=()) -> dict:
+    """The log change that commits `ck` (`packs`: the pack files its save wrote)."""
+    return {"op": "add", "step": ck.step, "id": ck.key, "created": ck.created.timestamp(),
+            "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics, "meta": ck.meta,
+            "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes, "packs": [bytes(p) for p in packs]}
+
+
+def set_change(ck: Checkpoint, **flags: bool) -> dict:
+    return {"op": "set", "step": ck.step, "id": ck.key, **flags}
+
+
+def remove_change(ck: Checkpoint) -> dict:
+    return {"op": "remove", "step": ck.step, "id": ck.key}
+
+
+def _from_add(change: dict, seq: int) -> Checkpoint:
+    try:
+        return Checkpoint(step=change["step"], id=bytes(change["id"]).hex(),
+                          created=_dt.datetime.fromtimestamp(float(change["created"]), _dt.timezone.utc),
+                          milestone=bool(change["milestone"]), pinned=bool(change.get("pinned", False)),
+                          metrics=dict(change["metrics"]), meta=dict(change["meta"]),
+                          logical_bytes=int(change["logical_bytes"]), new_bytes=int(change["new_bytes"]), seq=seq)
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CorruptionError(f"record log entry {seq} holds a damaged checkpoint record: {exc}") from None
 
 
 def exists_error(step: int) -> CheckpointExistsError:
@@ -86,18 +127,20 @@ def exists_error(step: int) -> CheckpointExistsError:
 
 
 class Registry:
-    def __init__(self, index, store_root: str) -> None:
+    """Reads come from the cache tables; every change is a log entry applied to them in the
+    same LMDB write transaction. `rebuild(txn)` refolds the cache from the log: it runs when
+    another cache (another host, a replaced LMDB file) committed the entry this one wanted."""
+
+    def __init__(self, index, store_root: str, log: RecordLog | None,
+                 rebuild: Callable[[object], None] | None = None) -> None:
         self.index = index
         self.store_root = store_root
+        self.log = log  # None: a format-1 store opened read-only, its LMDB registry read as it is
+        self.rebuild = rebuild
         self.db = index.db(TABLE)
+        self.order = index.tables.get(ORDER_TABLE)  # absent from a format-1 index opened read-only
 
-    def add(self, txn, ck: Checkpoint) -> None:
-        if not txn.put(step_key(ck.step), _pack(ck), db=self.db, overwrite=False):
-            raise exists_error(ck.step)
-
-    def update(self, txn, ck: Checkpoint) -> None:
-        txn.put(step_key(ck.step), _pack(ck), db=self.db)
-
+    # --- reads ------------------------------------------------------------------------
     def get(self, txn, step: int) -> Checkpoint | None:
         data = txn.get(step_key(step), db=self.db)
         return _unpack(step, data) if data is not None else None
@@ -108,17 +151,17 @@ class Registry:
             raise CheckpointNotFoundError(f"no checkpoint with step {step} in the store at {self.store_root}")
         return ck
 
-    def remove(self, txn, step: int) -> bool:
-        return txn.delete(step_key(step), db=self.db)
-
     def all(self, txn) -> list[Checkpoint]:
         return [_unpack(key_step(bytes(k)), v) for k, v in txn.cursor(db=self.db)]
 
     def latest(self, txn) -> Checkpoint | None:
-        cur = txn.cursor(db=self.db)
-        if not cur.last():
-            return None
-        return _unpack(key_step(bytes(cur.key())), cur.value())
+        """The most recently committed checkpoint (after a rollback, the new line's newest, not
+        the highest step of the abandoned one)."""
+        cur = txn.cursor(db=self.order) if self.order is not None else None
+        if cur is None or not cur.last():
+            cur = txn.cursor(db=self.db)  # a format-1 cache without commit order: by step
+            return _unpack(key_step(bytes(cur.key())), cur.value()) if cur.last() else None
+        return self.get(txn, key_step(bytes(cur.key())[8:]))
 
     def previous(self, txn, step: int) -> Checkpoint | None:
         cur = txn.cursor(db=self.db)
@@ -130,3 +173,83 @@ class Registry:
         if key_step(bytes(cur.key())) >= step:
             return None
         return _unpack(key_step(bytes(cur.key())), cur.value())
+
+    # --- the cache's position in the log --------------------------------------------------
+    def head(self, txn) -> tuple[int, bytes | None]:
+        """(seq, digest) of the last log entry this cache holds."""
+        meta = self.index.db("meta")
+        seq = txn.get(b"log_seq", db=meta)
+        return (int.from_bytes(seq, "big"), txn.get(b"log_hash", db=meta)) if seq else (0, None)
+
+    def set_head(self, txn, seq: int, digest: bytes | None) -> None:
+        meta = self.index.db("meta")
+        txn.put(b"log_seq", seq.to_bytes(8, "big"), db=meta)
+        if digest is None:
+            txn.delete(b"log_hash", db=meta)
+        else:
+            txn.put(b"log_hash", digest, db=meta)
+
+    # --- changes ----------------------------------------------------------------------
+    def commit(self, txn, why: str, changes: list[dict]) -> int:
+        """Append `changes` to the log as one entry and apply them to the cache, all in the
+        caller's write transaction; returns the entry's seq. A change that does not apply
+        (a step that exists, a checkpoint that is gone) raises and writes nothing."""
+        if self.log is None:
+            raise CasError(f"the store at {self.store_root} has format 1; open it writable once to upgrade it")
+        for _ in range(APPEND_ATTEMPTS):
+            seq, prev = self.head(txn)
+            self.apply(txn, seq + 1, changes)
+            entry = self.log.append(seq + 1, prev, why, changes)
+            if entry is not None:
+                faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind
+                self.set_head(txn, entry.seq, entry.digest)
+                return entry.seq
+            self.rebuild(txn)  # undoes what apply() wrote, and folds in the other writer's entry
+        raise StoreWriteError(f"the record log of the store at {self.store_root} kept moving: {APPEND_ATTEMPTS} "
+                              "other writers committed while this one tried; nothing was committed")
+
+    def fold(self, txn, entries) -> tuple[int, bytes | None]:
+        """Apply log entries to the (emptied) cache tables; the last one's (seq, digest)."""
+        seq, digest = 0, None
+        for entry in entries:
+            try:
+                self.apply(txn, entry.seq, list(entry.changes))
+            except (CheckpointExistsError, CheckpointNotFoundError) as exc:
+                raise CorruptionError(f"record log entry {entry.seq} of the store at {self.store_root} does not "
+                                      f"apply: {exc}") from None
+            seq, digest = entry.seq, entry.digest
+        return seq, digest
+
+    def apply(self, txn, seq: int, changes: list[dict]) -> list[Checkpoint]:
+        """Apply one entry's changes to the cache tables, in order."""
+        out = []
+        for change in changes:
+            op, step = change["op"], change["step"]
+            current = self.get(txn, step)
+            if op == "add":
+                if current is not None:
+                    raise exists_error(step)
+                ck = _from_add(change, seq)
+                txn.put(step_key(step), _pack(ck), db=self.db)
+                txn.put(seq.to_bytes(8, "big") + step_key(step), b"", db=self.order)
+                out.append(ck)
+                continue
+            if current is None or current.key != bytes(change["id"]):
+                raise CheckpointNotFoundError(f"checkpoint {step} of the store at {self.store_root} was removed "
+                                              "or replaced meanwhile")
+            if op == "remove":
+                txn.delete(step_key(step), db=self.db)
+                txn.delete(current.seq.to_bytes(8, "big") + step_key(step), db=self.order)
+                out.append(current)
+            else:
+                ck = dataclasses.replace(current, **{f: change[f] for f in ("milestone", "pinned") if f in change})
+                txn.put(step_key(step), _pack(ck), db=self.db)
+                out.append(ck)
+        return out
+
+    def clear(self, txn) -> None:
+        txn.drop(self.db, delete=False)
+        txn.drop(self.order, delete=False)
+
+    def entry(self, seq: int) -> Entry:
+        return self.log.read(seq)

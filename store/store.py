@@ -22,15 +22,17 @@ from cas.codecs import CodecPolicy, parse_header
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
                         StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
-from cas.index import WHERE_PACK, Index
+from cas.index import WHERE_PACK
+from cas.localfs import LocalBackend
 from cas.objects import FileObjects
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE, ObjectStore
 from cas.packs import PackFiles
 
+from . import cache
 from . import layout as L
 from . import pipeline, tensors
-from .registry import TABLE as REGISTRY_TABLE
-from .registry import Checkpoint, Registry, exists_error, step_key
+from .records import RecordLog
+from .registry import Checkpoint, Registry, add_change, exists_error, remove_change, set_change, step_key
 from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
@@ -110,12 +112,19 @@ class Store:
         if chunk_size is not None and chunk_size != self.config.chunk_size:
             raise CasError(f"the store at {self.path} was created with chunk_size {self.config.chunk_size}; "
                            f"it cannot be opened with {chunk_size} (leave chunk_size out)")
-        self.readonly = readonly or not os.access(self.layout.index, os.W_OK)
-        self.index = Index(self.layout.index, readonly=self.readonly, extra_tables=(REGISTRY_TABLE,))
-        self.registry = Registry(self.index, self.path)
+        self.readonly = readonly or not _writable(self.layout)
+        self.backend = LocalBackend(self.path, self.layout.tmp)
+        self.records = RecordLog(self.backend, self.path)
+        self._open_cache()
         self.objects = ObjectStore(self.index, FileObjects(self.layout.objects, self.layout.tmp),
                                    PackFiles(self.layout.packs, self.layout.tmp),
-                                   CodecPolicy(compress=compress, level=compression_level), pack_max)
+                                   CodecPolicy(compress=compress, level=compression_level), pack_max,
+                                   backend=self.backend)
+        try:
+            self._check_cache()
+        except BaseException:
+            self._close_cache()
+            raise
         self.chunk_size = self.config.chunk_size
         self.window_bytes = window_bytes
         self._workers = workers or os.cpu_count() or 2
@@ -147,12 +156,54 @@ class Store:
                 return  # another process created it while this one waited
             if not L.can_create(self.path):  # someone put something else here meanwhile
                 L.read_config(self.layout)
-            for folder in (self.layout.index, self.layout.objects, self.layout.packs, self.layout.tmp):
-                os.makedirs(folder, exist_ok=True)
+            for folder in L.LAYOUT_FOLDERS:
+                os.makedirs(os.path.join(self.path, folder), exist_ok=True)
             faults.point("store.creating")
-            Index(self.layout.index, create=True, extra_tables=(REGISTRY_TABLE,)).close()
-            L.write_config(self.layout, chunk_size=chunk_size)
+            L.write_config(self.layout, chunk_size=chunk_size)  # the cache is built at the first open
             self.created = True
+
+    # --- the index: a cache of the store -------------------------------------------------
+    def _open_cache(self) -> None:
+        """Open the LMDB cache; a read-only open whose cache does not match the store uses a
+        private one instead (store/cache.py), so it changes nothing in the store."""
+        self.cache_report = report = cache.RebuildReport()
+        self.index, self._private_cache = cache.open_index(self.layout, readonly=self.readonly, report=report)
+        legacy = self.config.format == 1 and self.readonly  # read as format 1 wrote it, no log
+        self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild)
+        if legacy or not self.readonly or self._private_cache is not None:
+            return
+        with self.index.read() as txn:
+            report.reason = cache.why_stale(self, txn)
+        if report.reason is not None:
+            self.index.close()
+            self.index, self._private_cache = cache.private_index()
+            self.registry = Registry(self.index, self.path, self.records, self._rebuild)
+
+    def _check_cache(self) -> None:
+        """Make the cache provably current: upgrade a format-1 store, or rebuild a cache that
+        does not match the store's objects and record log."""
+        if self.registry.log is None:
+            return
+        if self.config.format == 1:
+            cache.migrate_v1(self, self.cache_report)
+        else:
+            cache.ensure_current(self, self.cache_report)
+
+    def _rebuild(self, txn) -> None:
+        cache.rebuild(self, txn, self.cache_report)
+
+    def ensure_cache(self) -> None:
+        """Re-check the cache against the store (gc does before it marks)."""
+        if self.registry.log is not None:
+            cache.ensure_current(self, self.cache_report)
+
+    def cache_is_stale(self, txn) -> bool:
+        """Whether the cache no longer matches the store (inside the caller's transaction)."""
+        return self.registry.log is not None and cache.why_stale(self, txn) is not None
+
+    def _close_cache(self) -> None:
+        self.index.close()
+        cache.drop_private(self._private_cache)
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -169,7 +220,7 @@ class Store:
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._read_pool.shutdown(wait=True)
-            self.index.close()
+            self._close_cache()
             self._arenas.clear()
 
     def __enter__(self) -> "Store":
@@ -393,16 +444,18 @@ class Store:
 
         def finish(txn) -> Checkpoint:
             old = self.registry.get(txn, job.step) if job.replacing else None
+            changes = []
             if old is not None:
                 if old.pinned:
                     raise CasError(f"checkpoint {job.step} is pinned (a legal hold); it cannot be replaced")
-                self.registry.remove(txn, job.step)
+                changes.append(remove_change(old))
             ck = Checkpoint(step=job.step, id=commit_key.hex(),
                             created=_dt.datetime.fromtimestamp(job.created, _dt.timezone.utc),
                             milestone=job.milestone, metrics=job.metrics, meta=job.meta,
                             logical_bytes=logical, new_bytes=session.new_bytes)
-            self.registry.add(txn, ck)
-            return ck
+            changes.append(add_change(ck, session.packs_written()))
+            seq = self.registry.commit(txn, "replace" if old is not None else "save", changes)
+            return dataclasses.replace(ck, seq=seq)
 
         return session.commit(finish)
 
@@ -598,14 +651,14 @@ class Store:
 
     def forget(self, steps) -> list[Checkpoint]:
         """Remove checkpoints from the registry in one transaction; pinned ones are refused."""
-        self._check_open()
+        self._check_writable("delete checkpoints")
         with self.index.write() as txn:
-            gone = [self.registry.require(txn, step) for step in steps]
+            gone = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
             pinned = [ck.step for ck in gone if ck.pinned]
             if pinned:
                 raise CasError(f"checkpoint(s) {pinned} are pinned (a legal hold); unpin them first")
-            for ck in gone:
-                self.registry.remove(txn, ck.step)
+            if gone:
+                self.registry.commit(txn, "delete", [remove_change(ck) for ck in gone])
             self.index.bump_generation(txn)
         return gone
 
@@ -613,31 +666,35 @@ class Store:
         """Remove the checkpoints that `choose` picks from the registry as it reads inside this
         one write transaction (gc's retention: a decision on an earlier read removed a checkpoint
         made a milestone since, and failed on one another gc had removed). Pinned ones stay."""
-        self._check_open()
+        self._check_writable("remove checkpoints")
         with self.index.write() as txn:
             cks = self.registry.all(txn)
             chosen = set(choose(cks))
             gone = [ck for ck in cks if ck.step in chosen and not ck.pinned]
-            for ck in gone:
-                self.registry.remove(txn, ck.step)
             if gone:
+                self.registry.commit(txn, "gc", [remove_change(ck) for ck in gone])
                 self.index.bump_generation(txn)
         return gone
 
     def set_milestone(self, step: int, flag: bool = True) -> Checkpoint:
-        return self._update(step, milestone=bool(flag))
+        return self._update(step, "milestone" if flag else "unmilestone", milestone=bool(flag))
 
     def set_pinned(self, step: int, flag: bool = True) -> Checkpoint:
         """A pinned checkpoint cannot be deleted, by hand or by any retention rule."""
-        return self._update(step, pinned=bool(flag))
+        return self._update(step, "pin" if flag else "unpin", pinned=bool(flag))
 
-    def _update(self, step: int, **changes) -> Checkpoint:
-        self._check_open()
+    def _update(self, step: int, why: str, **flags: bool) -> Checkpoint:
+        """Change a checkpoint's flags: one record log entry, so the change outlives the cache."""
+        self._check_writable(f"change checkpoint {step}")
         with self.index.write() as txn:
             ck = self.registry.require(txn, step)
-            ck = dataclasses.replace(ck, **changes)
-            self.registry.update(txn, ck)
-        return ck
+            self.registry.commit(txn, why, [set_change(ck, **flags)])
+        return dataclasses.replace(ck, **flags)
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; cannot {what}")
 
     # --- inspection ---------------------------------------------------------------------
     def verify(self, step: int | None = None, *, quick: bool = False, progress=None) -> VerifyReport:
@@ -708,6 +765,11 @@ class Store:
             if isinstance(top, dict) and entry in top:
                 walk_value(top[entry], visit, str(entry))
         return out
+
+
+def _writable(layout: L.Layout) -> bool:
+    """Whether this process may change the store (its folder, and its index when present)."""
+    return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index) or os.access(layout.index, os.W_OK))
 
 
 def _split_targets(own_of: dict) -> dict:

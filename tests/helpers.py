@@ -9,6 +9,13 @@ import numpy as np
 import torch
 
 
+def tmp_files(store) -> list[str]:
+    """The store's temporary files, less the owner files of live processes (this one's among
+    them: each process that writes keeps one, locked, for as long as it runs)."""
+    import os
+    return sorted(n for n in os.listdir(store.layout.tmp) if not n.startswith(".owner."))
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu()
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())

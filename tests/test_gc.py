@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from helpers import tmp_files
+
 import cas
 from cas.gc import Marker, Retention
 from cas.index import WHERE_FILE, WHERE_PACK
@@ -55,6 +57,7 @@ def fill(store, n: int, milestones=(), metric=None) -> None:
 class _Ck:
     def __init__(self, step, milestone=False, pinned=False, metrics=None, age_h=0.0):
         self.step, self.milestone, self.pinned = step, milestone, pinned
+        self.seq = step  # committed in step order
         self.metrics = metrics or {}
         self.created = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=age_h)
 
@@ -159,7 +162,7 @@ def test_orphans_of_a_failed_save_are_reclaimed(store):
     session = store.objects.session("test")  # a writer that wrote and then gave up: nothing stays
     session.write(b"\x01" * 32, os.urandom(100_000))
     session.abort()
-    assert set(store.objects.files.iterate()) == before and not os.listdir(store.layout.tmp)
+    assert set(store.objects.files.iterate()) == before and not tmp_files(store)
     # a writer killed after publishing its files but before its commit leaves unindexed files
     store.objects.files.put(b"\x02" * 32, [os.urandom(100_000)])
     assert set(store.objects.files.iterate()) > before

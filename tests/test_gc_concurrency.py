@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import tmp_files
 from test_gc import assert_exactly_reachable
 from workers import nudged, state_of, tensor, trajectory
 
@@ -147,7 +148,7 @@ def test_gc_reaps_the_lease_of_a_killed_save(tmp_path):
         report = store.gc()
         assert report.leases_reaped == 1  # its staged files were never published: tmp is cleaned below
         assert_exactly_reachable(store)
-        assert not os.listdir(store.layout.tmp)
+        assert not tmp_files(store)
 
 
 def test_a_sweep_stopped_in_any_batch_leaves_no_delta_file_without_its_base(tmp_path, monkeypatch):
@@ -287,7 +288,7 @@ def test_a_writer_whose_objects_another_committed_first_keeps_theirs_and_leaves_
         assert all(store.objects.record(k).base is None for k in store.tensors(2)[0]["chunks"])  # the child's
         for ck in store.checkpoints():
             assert torch.equal(store.load(ck.step)["t"], tensor(7) if ck.step == 1 else nudged(7)), ck.step
-        assert os.listdir(store.layout.tmp) == []
+        assert tmp_files(store) == []
 
 
 def _record_error(errors: list, fn, *args, **kwargs) -> None:
@@ -310,10 +311,10 @@ def test_gc_removes_only_this_hosts_dead_writers_temporary_files_and_none_during
             open(os.path.join(store.layout.tmp, name), "wb").close()
         barrier = store.objects.session("barrier:dcp step 5")
         store.gc()
-        assert sorted(os.listdir(store.layout.tmp)) == sorted([ours, theirs])
+        assert tmp_files(store) == sorted([ours, theirs])
         barrier.abort()
         store.gc()
-        assert os.listdir(store.layout.tmp) == [theirs]
+        assert tmp_files(store) == [theirs]
 
 
 @pytest.mark.parametrize("pack_max", [4096, 65536])

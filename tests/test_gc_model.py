@@ -1,10 +1,12 @@
-"""A hypothesis state machine over save, delete, milestone, pin, gc and reopen, checked against a
-plain model: every checkpoint that should exist loads bit for bit, and after gc the objects in
+"""A hypothesis state machine over save, delete, milestone, pin, gc and reopen, and over losing the
+LMDB cache or putting an older copy of it back, checked against a plain model: every checkpoint
+that should exist loads bit for bit with its flags as last set, and after gc the objects in
 the store are exactly the reachable set. A second machine runs the same with delta chains: a
 drifting weight saved with delta=True, so retention and gc cut through chains at random."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -31,7 +33,9 @@ class StoreModel(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="cas-model-")
         self.store = self._open()
         self.expected: dict[int, dict] = {}  # step -> state
+        self.flags: dict[int, tuple[bool, bool]] = {}  # step -> (milestone, pinned)
         self.next_step = 1
+        self.old_cache: str | None = None  # a copy of the index taken earlier
 
     def _open(self):
         return cas.open(self.dir + "/s", chunk_size=64 << 10, pack_max=2048)
@@ -46,6 +50,7 @@ class StoreModel(RuleBasedStateMachine):
         self.next_step += 1
         self.store.save(state, step=step, milestone=milestone, metrics={"m": metric})
         self.expected[step] = state
+        self.flags[step] = (milestone, False)
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
@@ -55,16 +60,21 @@ class StoreModel(RuleBasedStateMachine):
             return
         self.store.delete(step)
         del self.expected[step]
+        del self.flags[step]
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), flag=st.booleans())
     def milestone(self, data, flag):
-        self.store.set_milestone(data.draw(st.sampled_from(sorted(self.expected))), flag)
+        step = data.draw(st.sampled_from(sorted(self.expected)))
+        self.store.set_milestone(step, flag)
+        self.flags[step] = (flag, self.flags[step][1])
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), flag=st.booleans())
     def pin(self, data, flag):
-        self.store.set_pinned(data.draw(st.sampled_from(sorted(self.expected))), flag)
+        step = data.draw(st.sampled_from(sorted(self.expected)))
+        self.store.set_pinned(step, flag)
+        self.flags[step] = (self.flags[step][0], flag)
 
     @rule(retention=rules)
     def gc(self, retention):
@@ -74,6 +84,7 @@ class StoreModel(RuleBasedStateMachine):
             for step, why in decided.items():
                 if not why:
                     del self.expected[step]
+                    del self.flags[step]
         assert sorted(ck.step for ck in self.store.checkpoints()) == sorted(self.expected)
         assert report.objects_swept >= 0
         assert_exactly_reachable(self.store)
@@ -83,9 +94,35 @@ class StoreModel(RuleBasedStateMachine):
         self.store.close()
         self.store = self._open()
 
+    @rule()
+    def lose_the_cache(self):
+        self.store.close()
+        index = os.path.join(self.dir, "s", "index")
+        for name in os.listdir(index):
+            os.unlink(os.path.join(index, name))
+        self.store = self._open()
+
+    @rule()
+    def copy_the_cache(self):
+        self.store.close()
+        self.old_cache = os.path.join(self.dir, f"cache-{self.next_step}")
+        shutil.rmtree(self.old_cache, ignore_errors=True)
+        shutil.copytree(os.path.join(self.dir, "s", "index"), self.old_cache)
+        self.store = self._open()
+
+    @precondition(lambda self: self.old_cache is not None)
+    @rule()
+    def put_an_old_cache_back(self):
+        self.store.close()
+        index = os.path.join(self.dir, "s", "index")
+        shutil.rmtree(index)
+        shutil.copytree(self.old_cache, index)
+        self.store = self._open()
+
     @invariant()
     def every_expected_checkpoint_loads_bit_for_bit(self):
         assert [ck.step for ck in self.store.checkpoints()] == sorted(self.expected)
+        assert {ck.step: (ck.milestone, ck.pinned) for ck in self.store.checkpoints()} == self.flags
         for step, state in self.expected.items():
             loaded = self.store.load(step)
             assert list(loaded) == list(state)
@@ -121,6 +158,7 @@ class DeltaStoreModel(StoreModel):
         state = {"w": self.w, "half": self.w.to(torch.bfloat16)}
         self.store.save(state, step=step, milestone=milestone, metrics={"m": metric})
         self.expected[step] = state
+        self.flags[step] = (milestone, False)
 
 
 TestDeltaStoreModel = DeltaStoreModel.TestCase

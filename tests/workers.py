@@ -101,9 +101,31 @@ def load_all(path: str) -> None:
         print(len(store.checkpoints()), store.readonly)
 
 
+def open_only(path: str) -> None:
+    """Open the store (rebuilding its cache if it must) and print its steps."""
+    with cas.open(path, create=False) as store:
+        print(",".join(str(ck.step) for ck in store.checkpoints()))
+
+
+def hold_lease(path: str, purpose: str) -> None:
+    """Open a write session (a barrier one when the purpose says so) and wait to be killed."""
+    import time
+    with cas.open(path, create=False) as store:
+        session = store.objects.session(purpose)
+        print("held", flush=True)
+        time.sleep(600)
+        session.abort()
+
+
+def repair(path: str) -> None:
+    from cas.store.repair import repair as run
+    print(run(path).checkpoints)
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "save_packed": save_packed, "gc": gc,
-          "save_loop": save_loop, "load_loop": load_loop, "load_all": load_all}[cmd]
+          "save_loop": save_loop, "load_loop": load_loop, "load_all": load_all, "open_only": open_only,
+          "hold_lease": hold_lease, "repair": repair}[cmd]
     fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_packed, save_loop) else a
          for a in args])

@@ -1,0 +1,289 @@
+"""The LMDB index is a cache of the store: proven current on every open, rebuilt when it is not.
+
+The store's truth is its objects (packs and object files, self-describing) and its record log
+(store/records.py). The cache holds, in LMDB meta, the store id and the (seq, blake3) of the last
+log entry it folded in. It is current when the store id matches, that entry still exists with
+that digest, and the next one does not: one small read and one stat. Otherwise (missing,
+damaged, emptied, another store's, an older copy put back, a crash between a log entry and its
+cache update, another cache committing) it is rebuilt in one LMDB write transaction: every object
+is found again from the packs and object files, and the registry is the fold of the whole log.
+Leases and holds of live writers sharing the environment are kept. A read-only open rebuilds
+into a private temporary cache and changes nothing in the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from cas import faults
+from cas.codecs import decode_into, parse_header
+from cas.errors import CasError, CorruptionError
+from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
+from cas.objectstore import MAX_CHAIN_DECODE
+
+from . import layout as L
+from .records import entry_name
+from .registry import ORDER_TABLE, TABLE, TABLES, add_change
+from .tree import parse_node
+
+
+@dataclass
+class RebuildReport:
+    objects: int = 0
+    packs: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # damaged files and entries, by name
+    moved_aside: str | None = None  # where a damaged index was put
+    reason: str | None = None  # why the cache was rebuilt
+    seconds: float = 0.0
+
+
+CACHE_TABLES = TABLES
+
+
+def open_index(layout: L.Layout, *, readonly: bool, report: RebuildReport) -> tuple[Index, str | None]:
+    """The store's LMDB environment; a damaged one is moved aside (never deleted) and a fresh
+    one made, or for a read-only open a private one in a temporary folder (its path returned)."""
+    try:
+        return Index(layout.index, readonly=readonly, extra_tables=(TABLE,), optional_tables=(ORDER_TABLE,)), None
+    except (CasError, OSError) as exc:
+        report.skipped.append(f"index: {exc}")
+        report.reason = "the index cannot be opened"
+    if readonly:
+        return private_index()
+    if os.path.lexists(layout.index):
+        report.moved_aside = f"{layout.index}.damaged-{int(time.time())}-{os.getpid()}"
+        os.rename(layout.index, report.moved_aside)
+    os.makedirs(layout.index, exist_ok=True)
+    return Index(layout.index, create=True, extra_tables=CACHE_TABLES), None
+
+
+def private_index() -> tuple[Index, str]:
+    folder = tempfile.mkdtemp(prefix="cas-cache-")
+    return Index(folder, create=True, extra_tables=CACHE_TABLES), folder
+
+
+def drop_private(folder: str | None) -> None:
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def why_stale(store, txn) -> str | None:
+    """None when the cache provably matches the store, else what is wrong with it."""
+    index, registry = store.index, store.registry
+    store_id = txn.get(b"store_id", db=index.db("meta"))
+    if store_id is None:
+        return "the index was never built for this store (new, emptied or replaced)"
+    if bytes(store_id).decode() != store.config.store_id:
+        return "the index belongs to another store"
+    seq, digest = registry.head(txn)
+    if seq:
+        backend = store.records.backend
+        try:
+            data = backend.get(entry_name(seq))
+        except CasError:
+            return f"the index has record log entry {seq}, which the store does not (an index of a later state?)"
+        from cas.hashing import hash_bytes
+        if hash_bytes(data) != digest:
+            return f"record log entry {seq} is not the one the index folded in"
+    if store.records.exists(seq + 1):
+        return f"the store has record log entries after {seq} that the index lacks"
+    return None
+
+
+def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = False) -> RebuildReport:
+    """Refill the cache from the store in the caller's write transaction: object records from
+    the packs and object files (check=True also decodes every full object in a pack, to skip
+    damaged copies), the registry from the record log. Live writers' leases and holds stay."""
+    report = report or RebuildReport()
+    t0 = time.perf_counter()
+    index = store.index
+    try:
+        old = dict(index.iter_records(txn))
+    except CasError:  # a damaged record: choose among the copies on disk alone
+        old = {}
+    copies: dict[bytes, list[ObjectRecord]] = {}
+    report.packs = _scan_packs(store.objects.packs, copies, report, check=check)
+    _scan_files(store.objects.files, copies, report)
+    records = choose_copies(copies, old)
+    set_depths(records)
+    txn.drop(index.db("objects"), delete=False)
+    for key, rec in records.items():
+        index.put_record(txn, key, rec)
+    store.registry.clear(txn)
+    faults.point("cache.rebuilding")  # a kill here aborts the transaction: the cache stays as it was
+    seq, digest = store.registry.fold(txn, store.records.entries())
+    store.registry.set_head(txn, seq, digest)
+    txn.put(b"store_id", store.config.store_id.encode(), db=index.db("meta"))
+    index.bump_generation(txn)
+    report.objects = len(records)
+    report.checkpoints = [ck.step for ck in store.registry.all(txn)]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def ensure_current(store, report: RebuildReport) -> None:
+    """Check the cache against the store; rebuild it (once, whoever gets LMDB's writer lock
+    first: the others find it current) when it does not match."""
+    with store.index.read() as txn:
+        reason = why_stale(store, txn)
+    if reason is None:
+        return
+    with store.index.write() as txn:
+        reason = why_stale(store, txn)
+        if reason is not None:
+            report.reason = report.reason or reason
+            rebuild(store, txn, report)
+
+
+# --- finding objects again ----------------------------------------------------------------
+def _scan_packs(packs, copies: dict, report, *, check: bool, commits: list | None = None) -> int:
+    count = 0
+    for pack in packs.iterate():
+        count += 1
+        try:
+            for key, offset, length in packs.entries(pack):
+                blob = packs.read(pack, offset, length, key)
+                try:
+                    head = parse_header(blob, key=key)
+                    raw = decode_into(blob, key) if (check or commits is not None) and not head.base else None
+                except CorruptionError as exc:
+                    report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
+                    continue
+                copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
+                                                               base=head.base))
+                if commits is not None and raw is not None:
+                    _note_commit(key, raw, commits)
+        except (CorruptionError, OSError) as exc:
+            report.skipped.append(f"pack {pack.hex()}: {exc}")
+    return count
+
+
+def _note_commit(key: bytes, raw, commits: list) -> None:
+    """Commit nodes are small, so they always live in packs; any entry may be tried."""
+    try:
+        node = parse_node(raw.tobytes(), key)
+    except CorruptionError:
+        return
+    if node["k"] == "commit":
+        commits.append((key, node))
+
+
+def _scan_files(files, copies: dict, report) -> None:
+    for key in files.iterate():
+        try:
+            head = parse_header(files.head(key, 64), key=key)
+            copies.setdefault(key, []).append(ObjectRecord(WHERE_FILE, files.has(key) or 0, head.raw_size,
+                                                           base=head.base))
+        except (CorruptionError, OSError) as exc:
+            report.skipped.append(f"object {key.hex()}: {exc}")
+
+
+def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectRecord]) -> dict[bytes, ObjectRecord]:
+    """One record per object among its copies on disk (a pack entry a crashed gc did not yet
+    rewrite, a file, another writer's pack entry that lost the commit): the old index's record
+    when it still describes one of them and its chain holds; else a full object; else a delta
+    whose chain reaches a full object on disk. (A dead delta entry whose base is gone once beat
+    the live full copy, and a checkpoint that loaded before the repair did not after it.)"""
+    anchored = {key for key, recs in copies.items() if any(r.base is None for r in recs)}
+    grown = True
+    while grown:  # a delta is anchored once its base is; chains are short
+        grown = False
+        for key, recs in copies.items():
+            if key not in anchored and any(r.base in anchored for r in recs):
+                anchored.add(key)
+                grown = True
+
+    def rank(rec: ObjectRecord) -> int:
+        return 0 if rec.base is None else 1 if rec.base in anchored else 2
+
+    out = {}
+    for key, recs in copies.items():
+        prev = old.get(key)
+        same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
+        out[key] = same[0] if same else min(recs, key=rank)
+    changed = True
+    while changed:  # records that do not reach a full object (a cycle) take a copy whose base does
+        changed = False
+        for key in out:
+            if not _reaches_full(out, key):
+                good = [r for r in copies[key] if r.base is None or _reaches_full(out, r.base)]
+                if good and good[0] != out[key]:
+                    out[key] = min(good, key=rank)
+                    changed = True
+    return out
+
+
+def _reaches_full(records: dict[bytes, ObjectRecord], key: bytes) -> bool:
+    for _ in range(MAX_CHAIN_DECODE + 1):
+        rec = records.get(key)
+        if rec is None:
+            return False
+        if rec.base is None:
+            return True
+        key = rec.base
+    return False
+
+
+def _same_copy(rec: ObjectRecord, prev: ObjectRecord) -> bool:
+    return (rec.where == prev.where and rec.base == prev.base and rec.stored_size == prev.stored_size
+            and (rec.where == WHERE_FILE or (rec.pack == prev.pack and rec.offset == prev.offset)))
+
+
+def set_depths(records: dict[bytes, ObjectRecord]) -> None:
+    """A delta's depth is its base's + 1, as the writer recorded it; a base that is missing
+    counts as a full object (loading the delta then reports the missing base by name)."""
+    def depth(key: bytes, seen: int = 0) -> int:
+        rec = records.get(key)
+        if rec is None or rec.base is None or seen > MAX_CHAIN_DECODE:
+            return 0
+        if rec.depth == 0:
+            records[key] = rec = dataclasses.replace(rec, depth=min(depth(rec.base, seen + 1) + 1, 255))
+        return rec.depth
+    for key in list(records):
+        depth(key)
+
+
+# --- format 1 -----------------------------------------------------------------------------
+def migrate_v1(store, report: RebuildReport) -> None:
+    """Upgrade a format-1 store (registry only in LMDB) on its first writable open: its
+    checkpoints, with their flags as the LMDB registry holds them, become log entry 1, then
+    the config says format 2 and the cache is rebuilt. A kill at any point is redone at the
+    next open (entry 1 already written is reused, never written twice). A format-1 store whose
+    LMDB file was lost gets its checkpoints from the commit nodes in its packs (flags set
+    after a save are lost: format 1 kept them only in LMDB)."""
+    if not store.records.exists(1):
+        with store.index.read() as txn:
+            cks = store.registry.all(txn) if report.reason is None else []
+        if not cks:
+            cks = _checkpoints_from_commits(store, report)
+        changes = [add_change(ck) for ck in sorted(cks, key=lambda c: c.step)]
+        store.records.append(1, None, "migrate", changes)
+    L.write_config(store.layout, chunk_size=store.config.chunk_size, store_id=store.config.store_id,
+                   created=store.config.created)
+    store.config = L.read_config(store.layout)
+    with store.index.write() as txn:
+        rebuild(store, txn, report)
+    report.reason = report.reason or "format 1 upgraded to format 2"
+
+
+def _checkpoints_from_commits(store, report: RebuildReport) -> list:
+    import datetime as _dt
+
+    from .registry import Checkpoint
+    commits: list = []
+    _scan_packs(store.objects.packs, {}, report, check=False, commits=commits)
+    newest: dict[int, tuple[bytes, dict]] = {}
+    for key, node in commits:
+        if node["step"] not in newest or node["created"] > newest[node["step"]][1]["created"]:
+            newest[node["step"]] = (key, node)
+    return [Checkpoint(step=step, id=key.hex(), created=_dt.datetime.fromtimestamp(node["created"], _dt.timezone.utc),
+                       milestone=bool(node.get("milestone")), metrics=dict(node.get("metrics") or {}),
+                       meta=dict(node.get("meta") or {}), logical_bytes=int(node.get("logical_bytes", 0)),
+                       new_bytes=0)
+            for step, (key, node) in sorted(newest.items())]

@@ -1,0 +1,156 @@
+"""The record log: the store's own truth about which checkpoints exist and their flags.
+
+Every change to the registry (a checkpoint committed, a milestone or pin set or unset, a
+checkpoint removed or replaced) is one immutable entry `log/<seq as 16 hex digits>` written
+create-only (cas.backend put_if_absent), the way git keeps refs and Delta Lake its commit log.
+Entry `seq` is created only by the writer that wins the name, after every object it references
+is durable; the registry is the fold of entries 1, 2, … in order, so it can always be derived
+from the store alone, exactly as of the last committed change. Each entry names the blake3 of
+the one before it, so a lost, reordered or foreign entry is detected instead of folded.
+The LMDB registry is a cache of this fold (store/cache.py). Format: docs/format.md, "Record log".
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import getpass
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import msgpack
+
+from cas.backend import Backend
+from cas.errors import CasError, CorruptionError, MissingObjectError
+from cas.hashing import KEY_SIZE, hash_bytes
+
+LOG_PREFIX = "log/"
+ENTRY_MAGIC = b"cas-log\n"
+ENTRY_FORMAT = 1
+MAX_ENTRY = 64 << 20  # a migration entry lists every checkpoint of a store; far below this
+OPS = ("add", "set", "remove")
+FLAGS = ("milestone", "pinned")
+
+
+def entry_name(seq: int) -> str:
+    return f"{LOG_PREFIX}{seq:016x}"
+
+
+def name_seq(name: str) -> int | None:
+    """The sequence number a log name holds, or None for a name that is not an entry's."""
+    tail = name[len(LOG_PREFIX):]
+    if not name.startswith(LOG_PREFIX) or len(tail) != 16:
+        return None
+    try:
+        return int(tail, 16)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq: int
+    digest: bytes  # blake3 of the entry's bytes: the next entry's `prev`
+    prev: bytes | None
+    why: str  # what made the change: save, delete, gc, milestone, pin, replace, migrate, ...
+    time: float
+    host: str
+    pid: int
+    user: str
+    changes: tuple  # the registry changes, applied in order, all or none
+
+    @property
+    def when(self) -> _dt.datetime:
+        return _dt.datetime.fromtimestamp(self.time, _dt.timezone.utc)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        return str(os.getuid())
+
+
+def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict]) -> bytes:
+    body = {"format": ENTRY_FORMAT, "seq": seq, "prev": prev, "why": why, "time": time.time(),
+            "host": socket.gethostname(), "pid": os.getpid(), "user": _user(), "changes": changes}
+    return ENTRY_MAGIC + msgpack.packb(body, use_bin_type=True)
+
+
+def decode_entry(seq: int, data: bytes) -> Entry:
+    """Parse and check one entry; CorruptionError naming it for anything we did not write."""
+    name = entry_name(seq)
+    if not data.startswith(ENTRY_MAGIC):
+        raise CorruptionError(f"record log entry {name} is not a cas log entry")
+    try:
+        body = msgpack.unpackb(data[len(ENTRY_MAGIC):], raw=False, strict_map_key=False)
+        if body["format"] != ENTRY_FORMAT:
+            raise CasError(f"record log entry {name} has format {body['format']!r}; this cas reads "
+                           f"{ENTRY_FORMAT} (upgrade cas)")
+        prev = body["prev"]
+        entry = Entry(seq=int(body["seq"]), digest=hash_bytes(data), prev=bytes(prev) if prev is not None else None,
+                      why=str(body["why"]), time=float(body["time"]), host=str(body["host"]),
+                      pid=int(body["pid"]), user=str(body["user"]), changes=tuple(body["changes"]))
+        for change in entry.changes:
+            _check_change(change)
+    except CasError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
+        raise CorruptionError(f"record log entry {name} is damaged: {exc}") from None
+    if entry.seq != seq:
+        raise CorruptionError(f"record log entry {name} says it is entry {entry.seq}: it was copied or renamed")
+    return entry
+
+
+def _check_change(change: dict) -> None:
+    if not isinstance(change, dict) or change.get("op") not in OPS:
+        raise ValueError(f"unknown change {change!r:.80}")
+    if type(change.get("step")) is not int or not isinstance(change.get("id"), bytes) or len(change["id"]) != KEY_SIZE:
+        raise ValueError("a change needs an int step and a 32-byte checkpoint id")
+    if change["op"] == "set" and not all(type(change.get(f, False)) is bool for f in FLAGS):
+        raise ValueError("a set change holds booleans")
+
+
+class RecordLog:
+    """The log entries of one store, through its backend."""
+
+    def __init__(self, backend: Backend, where: str) -> None:
+        self.backend = backend
+        self.where = where  # the store, for messages
+
+    def read(self, seq: int) -> Entry:
+        try:
+            data = self.backend.get(entry_name(seq))
+        except MissingObjectError:
+            raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} is "
+                                  "missing") from None
+        return decode_entry(seq, data)
+
+    def exists(self, seq: int) -> bool:
+        return self.backend.stat(entry_name(seq)) is not None
+
+    def last_seq(self) -> int:
+        """The highest entry number present (0: an empty log)."""
+        seqs = [s for s in map(name_seq, self.backend.list(LOG_PREFIX)) if s is not None]
+        return max(seqs, default=0)
+
+    def entries(self, after: int = 0, prev: bytes | None = None) -> Iterator[Entry]:
+        """Entries after `after` in order, each checked to follow the one before (`prev`: the
+        digest of entry `after`). A gap or a broken chain is a CorruptionError naming it."""
+        last = self.last_seq()
+        for seq in range(after + 1, last + 1):
+            entry = self.read(seq)
+            if entry.prev != prev and not (seq == 1 and entry.prev is None):
+                raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} does not "
+                                      "follow the entry before it (an entry was lost, replaced or reordered)")
+            prev = entry.digest
+            yield entry
+
+    def append(self, seq: int, prev: bytes | None, why: str, changes: list[dict]) -> Entry | None:
+        """Create entry `seq`; None when another writer created it first (nothing written)."""
+        data = encode_entry(seq, prev, why, changes)
+        if not self.backend.put_if_absent(entry_name(seq), [data]):
+            return None
+        return decode_entry(seq, data)

@@ -1,0 +1,413 @@
+"""The store's truth lives in its own objects and record log; the LMDB index is only a cache.
+
+Every test here loses, damages or rolls back the cache (or kills a process half way through a
+change) and checks that every committed checkpoint, with its flags exactly as last set, is
+still there, loads bit for bit, and that gc frees nothing a checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+from test_gc import assert_exactly_reachable
+from test_gc_concurrency import WORKERS, assert_loads, finish, open_store, spawn, wait_reached
+from workers import state_of
+
+import cas
+from cas.errors import CorruptionError
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def flags(store) -> list[tuple]:
+    return [(ck.step, ck.id, ck.milestone, ck.pinned) for ck in store.checkpoints()]
+
+
+def build(path) -> list[tuple]:
+    """Steps 1-4 sharing tensors; a milestone, a pin and an unset milestone after the saves; step 1
+    deleted. Returns the flags as the store holds them."""
+    with open_store(path) as store:
+        for step in (1, 2, 3, 4):
+            store.save(state_of([step, step + 10, 99]), step=step)
+        store.set_milestone(2)
+        store.pin(3)
+        store.set_milestone(4)
+        store.set_milestone(4, False)
+        store.delete(1)
+        return flags(store)
+
+
+def drop_index_files(path) -> None:
+    folder = os.path.join(path, "index")
+    for name in os.listdir(folder):
+        os.unlink(os.path.join(folder, name))
+
+
+def cli(*args, path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cas.cli", "--store", str(path), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def tree_digest(path) -> dict[str, str]:
+    """Every file's digest, but LMDB's lock.mdb: its reader table is shared with writers, so
+    every reader writes its slot there (it holds no store content)."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            if name == "lock.mdb":
+                continue
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_a_store_whose_index_files_were_deleted_keeps_every_checkpoint_and_flag(tmp_path):
+    """The issue's repro: cp -a, rm index/*.mdb, open, save, gc --keep-all, repair."""
+    src, copy = tmp_path / "src", tmp_path / "S"
+    expected = build(src)
+    shutil.copytree(src, copy)
+    drop_index_files(copy)
+    with open_store(copy) as store:
+        assert store.cache_report.reason is not None  # it noticed, and rebuilt
+        assert flags(store) == expected
+        assert store.latest().step == 4
+        store.save(state_of([90]), step=90)
+    result = cli("gc", "--keep-all", path=copy)
+    assert result.returncode == 0, result.stderr
+    with open_store(copy) as store:
+        assert [f[0] for f in flags(store)] == [2, 3, 4, 90]
+        for step in (2, 3, 4):
+            assert_loads(store, step, [step, step + 10, 99])
+        assert_exactly_reachable(store)
+    drop_index_files(copy)
+    result = cli("repair", path=copy)
+    assert result.returncode == 0, result.stderr
+    with open_store(copy) as store:
+        assert flags(store)[:3] == expected  # pins and milestones, with their later changes
+        assert store.verify().ok
+
+
+def test_an_older_copy_of_the_index_put_back_is_caught_up(tmp_path):
+    path = tmp_path / "s"
+    build(path)
+    old_index = tmp_path / "old-index"
+    shutil.copytree(path / "index", old_index)
+    with open_store(path) as store:
+        store.save(state_of([5, 15]), step=5)
+        store.delete(2)
+        store.unpin(3)
+        store.gc(keep_last=2)  # sweeps step 2's objects, which the old copy still lists
+        expected = flags(store)
+    shutil.rmtree(path / "index")
+    shutil.copytree(old_index, path / "index")
+    with open_store(path) as store:
+        assert "record log entries after" in store.cache_report.reason
+        assert flags(store) == expected
+        store.save(state_of([2, 12, 99]), step=6)  # objects the old copy thinks stored are written again
+        assert_loads(store, 6, [2, 12, 99])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert_loads(store, 5, [5, 15])
+
+
+def test_an_index_of_another_store_is_rebuilt(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    expected = build(a)
+    with open_store(b) as store:
+        store.save(state_of([7]), step=7)
+    shutil.rmtree(a / "index")
+    shutil.copytree(b / "index", a / "index")
+    with open_store(a) as store:
+        assert store.cache_report.reason == "the index belongs to another store"
+        assert flags(store) == expected
+
+
+def test_a_read_only_open_of_a_stale_store_changes_nothing(tmp_path):
+    path = tmp_path / "s"
+    expected = build(path)
+    drop_index_files(path)
+    before = tree_digest(path)
+    with cas.open(path, readonly=True) as store:
+        assert flags(store) == expected
+        assert_loads(store, 3, [3, 13, 99])
+        with pytest.raises(cas.ReadOnlyStoreError):
+            store.gc()
+    assert tree_digest(path) == before
+
+
+def test_a_truncated_index_is_moved_aside_and_rebuilt(tmp_path):
+    path = tmp_path / "s"
+    expected = build(path)
+    data = path / "index" / "data.mdb"
+    with open(data, "r+b") as f:
+        f.truncate(4096)
+    with open_store(path) as store:
+        assert flags(store) == expected
+        assert store.cache_report.moved_aside is not None
+        assert_loads(store, 4, [4, 14, 99])
+
+
+def test_a_format_1_store_is_upgraded_on_its_first_writable_open(tmp_path):
+    """tests/data/store-v1.tar.gz was written by the format-1 cas: steps 1-4 delta-coded, step 1
+    pinned, 2 made a milestone after its save, 3 made one and unmade, 4 deleted."""
+    with tarfile.open(os.path.join(DATA, "store-v1.tar.gz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    path = tmp_path / "store-v1"
+    before = tree_digest(path)
+    with cas.open(path, readonly=True) as store:  # read as format 1 wrote it, nothing changed
+        assert [(ck.step, ck.milestone, ck.pinned) for ck in store.checkpoints()] == \
+            [(1, False, True), (2, True, False), (3, False, False)]
+    assert tree_digest(path) == before
+    with cas.open(path) as store:
+        assert store.config.format == 2
+        assert [(ck.step, ck.milestone, ck.pinned) for ck in store.checkpoints()] == \
+            [(1, False, True), (2, True, False), (3, False, False)]
+        for step in (1, 2, 3):
+            state = store.load(step)
+            expected = torch.randint(0, 16, (32, 1024), generator=torch.Generator().manual_seed(0)).float()
+            expected[:step] += 0.5
+            assert torch.equal(state["w"], expected) and state["step"] == step
+        assert store.verify().ok
+    drop_index_files(path)
+    with cas.open(path) as store:  # now the log holds the flags
+        assert [(ck.step, ck.milestone, ck.pinned) for ck in store.checkpoints()] == \
+            [(1, False, True), (2, True, False), (3, False, False)]
+
+
+@pytest.mark.parametrize("point", ["registry.logged", "commit.in_txn"])
+def test_a_save_killed_between_its_log_entry_and_the_cache_update_is_committed(tmp_path, point):
+    """Once the log entry exists the checkpoint is committed, whatever the cache says."""
+    path = tmp_path / "s"
+    build(path)
+    child = spawn("save", path, 8, "8+18", faults=f"{point}=kill")
+    child.communicate(timeout=120)
+    assert child.returncode == -9
+    with open_store(path) as store:
+        assert [f[0] for f in flags(store)] == [2, 3, 4, 8]
+        assert_loads(store, 8, [8, 18])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert_loads(store, 8, [8, 18])
+
+
+def test_a_flag_change_killed_after_its_log_entry_is_kept(tmp_path, point="registry.logged"):
+    path = tmp_path / "s"
+    expected = build(path)
+    code = ("import cas; s = cas.open(%r, create=False); s.pin(2)" % str(path))
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CAS_FAULTS=f"{point}=kill"),
+                          capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    with open_store(path) as store:
+        assert [(f[0], f[3]) for f in flags(store)] == [(2, True), (3, True), (4, False)]
+        assert [f[1] for f in flags(store)] == [f[1] for f in expected]
+
+
+def test_a_rebuild_killed_half_way_leaves_a_store_that_rebuilds_again(tmp_path):
+    path = tmp_path / "s"
+    expected = build(path)
+    drop_index_files(path)
+    child = spawn("open_only", path, faults="cache.rebuilding=kill")
+    child.communicate(timeout=120)
+    assert child.returncode == -9
+    with cas.open(path, retention=cas.Retention(keep_last=1)) as store:  # retention must see everything
+        assert flags(store) == expected
+        store.save(state_of([9]), step=9)
+        assert [f[0] for f in flags(store)] == [3, 9]  # 3 is pinned; 9 the newest
+        assert_loads(store, 3, [3, 13, 99])
+
+
+def test_a_killed_repair_loses_nothing(tmp_path):
+    """Issue 21, item 7: a repair killed at any point, then a restart with retention."""
+    path = tmp_path / "s"
+    expected = build(path)
+    for point in ("cache.rebuilding", "registry.logged"):
+        child = spawn("repair", path, faults=f"{point}=kill")
+        child.communicate(timeout=120)
+        with cas.open(path, retention=cas.Retention(keep_last=3)) as store:
+            assert flags(store) == expected
+            assert_loads(store, 2, [2, 12, 99])
+
+
+def test_two_processes_rebuilding_at_once_agree(tmp_path):
+    path = tmp_path / "s"
+    expected = build(path)
+    drop_index_files(path)
+    procs = [spawn("open_only", path) for _ in range(3)]
+    outs = [finish(p).strip() for p in procs]
+    assert outs == ["2,3,4"] * 3
+    with open_store(path) as store:
+        assert flags(store) == expected
+        assert store.cache_report.reason is None
+        assert store.verify().ok
+
+
+def test_a_damaged_log_entry_is_named_and_nothing_is_changed(tmp_path):
+    path = tmp_path / "s"
+    build(path)
+    entry = path / "log" / f"{3:016x}"
+    data = bytearray(entry.read_bytes())
+    data[-3] ^= 0xFF
+    os.chmod(entry, 0o644)
+    entry.write_bytes(bytes(data))
+    drop_index_files(path)
+    with pytest.raises(CorruptionError, match="log"):
+        open_store(path)
+    result = cli("ls", path=path)
+    assert result.returncode == 2 and "log" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_log_entry_renamed_into_a_gap_is_refused(tmp_path):
+    path = tmp_path / "s"
+    build(path)
+    last = max(os.listdir(path / "log"))
+    os.rename(path / "log" / last, path / "log" / f"{int(last, 16) + 1:016x}")
+    drop_index_files(path)
+    with pytest.raises(CorruptionError, match="missing|renamed"):
+        open_store(path)
+
+
+def test_the_same_step_committed_through_two_caches_commits_once(tmp_path):
+    """A process whose index was replaced under it (two caches of one store): the record log
+    decides, and the loser gets CheckpointExistsError with nothing of it visible."""
+    path = tmp_path / "s"
+    build(path)
+    flag = str(tmp_path / "flag")
+    child = spawn("save", path, 20, "20+21", faults=f"save.nodes_written=pause:{flag}")
+    wait_reached(flag, child)
+    shutil.rmtree(path / "index")  # the child keeps its (now unlinked) environment
+    with open_store(path) as store:
+        store.save(state_of([30]), step=20)
+    open(flag, "w").close()
+    out, err = child.communicate(timeout=120)
+    assert child.returncode != 0 and "CheckpointExistsError" in err
+    with open_store(path) as store:
+        assert_loads(store, 20, [30])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert_loads(store, 20, [30])
+
+
+def test_gc_waits_for_a_live_writer_it_cannot_account_for(tmp_path):
+    """The index is deleted while a save that reuses old objects runs: a gc through the
+    rebuilt index does not know its holds, so it must not sweep until that writer ends."""
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        store.save(state_of([1, 2]), step=1)
+        store.save(state_of([3]), step=2)
+        store.delete(1)  # step 1's objects are garbage ... until the paused save reuses them
+    flag = str(tmp_path / "flag")
+    child = spawn("save", path, 3, "1+2", faults=f"save.chunks_written=pause:{flag}")
+    wait_reached(flag, child)
+    drop_index_files(path)
+    with open_store(path) as store:
+        report = store.gc()
+        assert report.deferred and "another index" in report.deferred
+        assert report.objects_swept == 0
+    open(flag, "w").close()
+    finish(child)
+    with open_store(path) as store:
+        assert [ck.step for ck in store.checkpoints()] == [2, 3]
+        assert_loads(store, 3, [1, 2])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert_loads(store, 3, [1, 2])
+
+
+def unshare_available() -> bool:
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare")
+def test_gc_in_another_pid_namespace_never_reaps_a_live_writer(tmp_path):
+    """Issue 21, item 5: a gc sidecar with its own PID namespace sees no process with the
+    writer's pid; the writer's lease and temporary files must survive it all the same."""
+    if not unshare_available():
+        pytest.skip("cannot make a PID namespace here")
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        store.save(state_of([1, 2]), step=1)
+        store.save(state_of([3]), step=2)
+        store.delete(1)
+    flag = str(tmp_path / "flag")
+    child = spawn("save", path, 3, "1+2+4", faults=f"save.chunks_written=pause:{flag}")
+    wait_reached(flag, child)
+    tmp_before = set(os.listdir(path / "tmp"))
+    sidecar = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, WORKERS, "gc", str(path)],
+                             capture_output=True, text=True, timeout=120)
+    assert sidecar.returncode == 0, sidecar.stderr
+    assert tmp_before <= set(os.listdir(path / "tmp"))  # its staged files are still there
+    open(flag, "w").close()
+    finish(child)
+    with open_store(path) as store:
+        assert_loads(store, 3, [1, 2, 4])
+        with store.index.read() as txn:
+            assert store.index.leases(txn) == {}
+
+
+def test_a_killed_coordinators_barrier_is_reaped_and_gc_says_what_it_deferred(tmp_path):
+    """Issue 21, item 11: a live barrier defers the sweep and says so; a dead one is reaped."""
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        store.save(state_of([1]), step=1)
+        store.save(state_of([2]), step=2)
+        store.delete(1)
+    holder = subprocess.Popen([sys.executable, WORKERS, "hold_lease", str(path), "barrier:dcp step 9"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = cli("gc", "--keep-all", path=path)
+        assert result.returncode == 0 and "deferred" in result.stdout, result.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+    with open_store(path) as store:
+        report = store.gc()
+        assert report.leases_reaped == 1 and report.deferred is None and report.objects_swept > 0
+        assert_exactly_reachable(store)
+
+
+def test_rollback_under_retention_keeps_the_new_line(tmp_path):
+    """Issue 21, item 3: steps 100-400 with keep_last=3; restore step 200 and save 210, 220, 230.
+    "Last" is commit order, so each save keeps itself and the new line grows; save() never
+    returns a checkpoint that its own retention removed."""
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, retention=cas.Retention(keep_last=3)) as store:
+        for step in (100, 200, 300, 400):
+            store.save(state_of([step]), step=step)
+        assert [ck.step for ck in store.checkpoints()] == [200, 300, 400]
+        store.load(200)  # the rollback
+        for step in (210, 220, 230):
+            ck = store.save(state_of([step]), step=step)
+            assert store.exists(ck.step) and store.latest().step == step
+        assert [ck.step for ck in store.checkpoints()] == [210, 220, 230]
+        assert_loads(store, 230, [230])
+        assert_exactly_reachable(store)
+
+
+def test_lightning_last_is_the_most_recent_save_whatever_the_clocks(tmp_path, monkeypatch):
+    """Issue 21, item 10: two plugin instances whose clocks differ by 60 s both save last.ckpt;
+    loading it returns the later save, not the one with the later wall-clock time."""
+    pytest.importorskip("lightning")
+    import time as _time
+
+    from cas.store import lightning as lt
+    from cas.store import store as store_module
+    path = str(tmp_path / "s")
+    first = lt.CasCheckpointIO(path)
+    first.save_checkpoint({"w": torch.ones(3), "global_step": 1}, "ckpts/last.ckpt")
+    first.teardown()
+    real = _time.time
+    monkeypatch.setattr(store_module.time, "time", lambda: real() - 60)  # this host's clock is behind
+    second = lt.CasCheckpointIO(path)
+    second.save_checkpoint({"w": torch.full((3,), 2.0), "global_step": 2}, "ckpts/last.ckpt")
+    loaded = second.load_checkpoint("ckpts/last.ckpt")
+    second.teardown()
+    assert torch.equal(loaded["w"], torch.full((3,), 2.0))
