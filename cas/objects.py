@@ -12,9 +12,11 @@ import os
 import threading
 from typing import Callable, Iterable, Iterator, Protocol
 
-from .errors import MissingObjectError
+from . import faults
+from .errors import MissingObjectError, UnsupportedFilesystemError
 from .fanout import FanoutDir
-from .fsutil import fsync_dir, fsync_file, publish, read_file, read_head, unlink_quietly, write_tmp
+from .fsutil import (UNSUPPORTED, fsync_dir, fsync_file, publish, read_file, read_head, rename_noreplace,
+                     unlink_quietly, write_tmp)
 from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
@@ -52,6 +54,7 @@ class FileObjects(FanoutDir):
         self._dirty: set[str] = set()
         self._made: set[str] = set()  # fan-out folders known to exist
         self._lock = threading.Lock()
+        self._noreplace: bool | None = None  # whether renameat2(RENAME_NOREPLACE) works here; None: untried
 
     def get(self, key: bytes, buffer: Callable[[int], memoryview] | None = None):
         """The stored bytes; with `buffer`, read into the reusable buffer it gives (see read_file)."""
@@ -100,8 +103,7 @@ class FileObjects(FanoutDir):
         holds that name already: False then, and the staged file is left as it is. An existing
         file may be indexed by another writer, and other checkpoints decode through it, so it
         never changes under them; the writer decides with the index (WriteSession.commit and
-        adopt). A hard link is the atomic no-clobber rename; where the filesystem has none, the
-        check and the rename are two steps. sync() makes the new names durable."""
+        adopt). sync() makes the new names durable."""
         tmp, key = staged
         if fsync:
             fsync_file(tmp)
@@ -110,20 +112,42 @@ class FileObjects(FanoutDir):
         made = directory not in self._made
         if made:
             os.makedirs(directory, exist_ok=True)
+        faults.point("objects.placing")
         try:
-            os.link(tmp, path)
+            self._name_without_replacing(tmp, path)
         except FileExistsError:
             return False
-        except OSError:  # no hard links here
-            if os.path.lexists(path):
-                return False
-            os.rename(tmp, path)
-        else:
-            unlink_quietly(tmp)
         with self._lock:
             self._made.add(directory)
             self._dirty.update((directory, self.root) if made else (directory,))
         return True
+
+    def _name_without_replacing(self, tmp: str, path: str) -> None:
+        """Rename `tmp` to `path` in one step that fails with FileExistsError rather than replace
+        a file: renameat2(RENAME_NOREPLACE), else a hard link (where the kernel or filesystem
+        lacks the first: NFS, some FUSE). A check then a rename would be two steps, and another
+        writer's committed file could be replaced in between (issue 21, item 6): a filesystem
+        with neither (FUSE exFAT) is refused."""
+        if self._noreplace is not False:
+            try:
+                rename_noreplace(tmp, path)
+                self._noreplace = True
+                return
+            except OSError as exc:
+                if isinstance(exc, FileExistsError) or exc.errno not in UNSUPPORTED:
+                    raise
+                self._noreplace = False
+        try:
+            os.link(tmp, path)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or exc.errno not in UNSUPPORTED:
+                raise
+            raise UnsupportedFilesystemError(
+                f"the filesystem holding {self.root} can neither rename without replacing "
+                f"(renameat2 RENAME_NOREPLACE) nor make hard links ({exc.strerror}), so two writers "
+                "could replace each other's committed object files; keep the store on a filesystem "
+                "with either (ext4, xfs, btrfs, tmpfs, NFS)") from None
+        unlink_quietly(tmp)
 
     @staticmethod
     def discard(staged: list[tuple[str, bytes]]) -> None:

@@ -1,0 +1,127 @@
+"""Filesystems and processes at their edges (issue 21): no hard links, a full disk under a pack
+rewrite, two gcs compacting at once, a stale LMDB reader, a read-only mount beside a writer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_gc import assert_exactly_reachable
+from test_gc_concurrency import finish, spawn, wait_reached
+from workers import state_of, tensor
+
+import cas
+from cas.errors import UnsupportedFilesystemError
+from cas.fsutil import rename_noreplace, write_tmp
+from cas.objects import FileObjects
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mounted(cmd: list[str], mount) -> bool:
+    """Run a mount command; False (the test skips) where this sandbox cannot mount."""
+    return subprocess.run(cmd + [str(mount)], capture_output=True).returncode == 0
+
+
+def unmount(mount) -> None:
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def run_child(code: str, faults: str = "") -> subprocess.Popen:
+    """A real process running `code` (the tests folder importable), with fault points."""
+    env = dict(os.environ, CAS_FAULTS=faults, PYTHONPATH=os.path.join(ROOT, "tests"))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# --- item 6: publishing an object file never replaces one ---------------------------------------
+
+@pytest.fixture
+def exfat(tmp_path):
+    """A real exFAT filesystem through FUSE on a loop device: no hard links, no RENAME_NOREPLACE."""
+    if not all(shutil.which(t) for t in ("mkfs.exfat", "mount.exfat-fuse", "losetup")):
+        pytest.skip("exfatprogs, exfat-fuse or losetup missing (apt-get install exfatprogs exfat-fuse)")
+    image, mount = tmp_path / "exfat.img", tmp_path / "exfat"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    mount.mkdir()
+    if subprocess.run(["mkfs.exfat", str(image)], capture_output=True).returncode:
+        pytest.skip("mkfs.exfat failed")
+    loop = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if loop.returncode:
+        pytest.skip("no loop device here")
+    device = loop.stdout.strip()
+    try:
+        if not mounted(["mount.exfat-fuse", device], mount):
+            pytest.skip("cannot mount FUSE exFAT here")
+        try:
+            yield mount
+        finally:
+            unmount(mount)
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+
+
+def test_a_filesystem_without_hard_links_or_noreplace_renames_refuses_object_files(exfat):
+    """On FUSE exFAT the check-then-rename fallback let a killed writer replace another
+    writer's committed file. Publishing must be one step or not at all: the save is refused
+    by name, nothing is committed and no file is left under objects/."""
+    probe = exfat / "probe"
+    probe.write_bytes(b"x")
+    with pytest.raises(OSError):
+        os.link(probe, exfat / "probe2")  # the premise: no hard links here
+    path = exfat / "s"
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        with pytest.raises(UnsupportedFilesystemError, match="neither rename without replacing"):
+            store.save(state_of([1]), step=1)
+        assert store.checkpoints() == []
+    assert list(FileObjects(str(path / "objects"), str(path / "tmp")).iterate()) == []
+    assert os.listdir(path / "tmp") == []
+
+
+def test_rename_noreplace_never_replaces_on_a_real_filesystem(tmp_path):
+    """renameat2(RENAME_NOREPLACE) is what every object file is published with where the
+    kernel has it: an existing name is refused and keeps its bytes."""
+    first, second, final = tmp_path / "a", tmp_path / "b", tmp_path / "final"
+    first.write_bytes(b"first")
+    second.write_bytes(b"second")
+    rename_noreplace(str(first), str(final))
+    with pytest.raises(FileExistsError):
+        rename_noreplace(str(second), str(final))
+    assert final.read_bytes() == b"first" and second.read_bytes() == b"second"
+    files = FileObjects(str(tmp_path / "objects"), str(tmp_path))
+    key = bytes(range(32))
+    assert files.place_new((write_tmp(files.path(key), [b"one"], tmp_dir=str(tmp_path)), key))
+    other = write_tmp(files.path(key), [b"two"], tmp_dir=str(tmp_path))
+    assert not files.place_new((other, key)) and files.get(key) == b"one"
+    assert files._noreplace is True  # the no-replace rename, not the hard link, was used
+
+
+def test_a_writer_paused_before_naming_its_files_never_replaces_a_committed_one(tmp_path):
+    """Writer A (uncompressed files) pauses just before naming its files; writer B commits the
+    same chunks (compressed); A goes on and is killed before its commit. B's checkpoint loads."""
+    path, flag = tmp_path / "s", str(tmp_path / "go")
+    cas.open(path, chunk_size=64 << 10).close()
+    a = run_child(f"""
+        import cas
+        from workers import state_of
+        with cas.open({str(path)!r}, compress=False, pack_max=4096) as store:
+            store.save(state_of([1, 2]), step=1)
+    """, faults=f"objects.placing=pause:{flag},commit.synced=kill")
+    wait_reached(flag, a)
+    with cas.open(path, pack_max=4096) as store:
+        store.save(state_of([1, 2]), step=2)
+    open(flag, "w").close()
+    a.communicate(timeout=120)
+    assert a.returncode == -9
+    with cas.open(path) as store:
+        loaded = store.load(2)
+        assert all(torch.equal(loaded[k], v) for k, v in state_of([1, 2]).items())
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
