@@ -282,24 +282,40 @@ def compact_packs(store, report: GcReport) -> None:
 
 def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> None:
     """Move a pack's live objects into a new pack (same keys, so no manifest changes), then
-    remove the old pack once no record points to it."""
+    remove the old pack once no record points to it. Another gc may compact the same pack at
+    once: an entry it moved or swept meanwhile, or the pack it already removed, is skipped."""
     objects, index = store.objects, store.index
     with objects.session("gc repack") as session:
         session.hold(keys)
-        moved = 0
-        for key in keys:
-            rec = objects.record(key)
-            if rec is None or rec.pack != pack:
-                continue  # swept or moved meanwhile
-            session.write_encoded(key, objects.packs.read(pack, rec.offset, rec.stored_size, key), rec)
-            moved += rec.stored_size
+        with index.read() as txn:
+            recs = {k: rec for k in keys if (rec := index.record(txn, k)) is not None and rec.pack == pack}
+        faults.point("gc.repack_reading")
+        moved = _move_entries(session, pack, recs)
         session.commit(lambda txn: None)
     with index.write() as txn:
         if any((rec := index.record(txn, k)) is not None and rec.pack == pack for k in keys):
             return
-        report.reclaimed_bytes += (objects.packs.size(pack) or 0) - moved
+        size = objects.packs.size(pack)
+        if size is None:
+            return  # another gc removed it
+        report.reclaimed_bytes += size - moved
         objects.packs.delete(pack)
         report.packs_rewritten += 1
+
+
+def _move_entries(session, pack: bytes, recs: dict) -> int:
+    """Write each entry of `pack` that `recs` places there into the session's new pack; returns
+    the bytes moved. An entry that cannot be read is skipped: the pack is gone (another gc
+    rewrote it and the records point to its copy) or damaged (verify's business)."""
+    moved = 0
+    for key, rec in recs.items():
+        try:
+            blob = session.store.packs.read(pack, rec.offset, rec.stored_size, key)
+        except CorruptionError:
+            continue
+        session.write_encoded(key, blob, rec)
+        moved += rec.stored_size
+    return moved
 
 
 BARRIER_PREFIX = "barrier:"

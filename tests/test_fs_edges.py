@@ -125,3 +125,30 @@ def test_a_writer_paused_before_naming_its_files_never_replaces_a_committed_one(
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)
+
+
+# --- item 14: two gcs compacting one pack -------------------------------------------------------
+
+def test_two_gcs_rewriting_the_same_pack_at_once_both_finish(tmp_path):
+    """gc A plans to rewrite a pack and pauses; gc B plans the same rewrite, reads the records
+    and pauses; A moves the entries and removes the old pack; B goes on. B used to fail with a
+    false MissingObjectError ("pack ... holding the object is missing")."""
+    path, go_a, go_b = tmp_path / "s", str(tmp_path / "a"), str(tmp_path / "b")
+    with cas.open(path, chunk_size=64 << 10, pack_max=1 << 20) as store:
+        store.save(state_of([1, 2]), step=1)
+        store.save(state_of([2, 3]), step=2)
+        store.forget([1])
+    a = spawn("gc", path, faults=f"gc.repack=pause:{go_a}")
+    wait_reached(go_a, a)
+    b = spawn("gc", path, faults=f"gc.repack_reading=pause:{go_b}")
+    wait_reached(go_b, b)
+    open(go_a, "w").close()
+    finish(a)
+    open(go_b, "w").close()
+    finish(b)
+    with cas.open(path) as store:
+        loaded = store.load(2)
+        assert all(torch.equal(loaded[k], v) for k, v in state_of([2, 3]).items())
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
