@@ -263,6 +263,7 @@ def compact_packs(store, report: GcReport) -> None:
     space: the pack freeing the most that fits goes next, and one that fits nowhere waits for a
     later gc (named in report.deferred) rather than failing this one and every one after it."""
     packs, index = store.objects.packs, store.index
+    index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
     for pack in list(packs.iterate()):
         try:

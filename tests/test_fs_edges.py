@@ -186,3 +186,71 @@ def test_two_gcs_rewriting_the_same_pack_at_once_both_finish(tmp_path):
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)
+
+
+# --- item 12: LMDB reader slots ----------------------------------------------------------------
+
+def test_a_reader_killed_inside_a_read_transaction_no_longer_pins_the_index(tmp_path):
+    """A reader SIGKILLed inside a read transaction (a `cas du` killed half way) left its slot:
+    LMDB kept every page its snapshot could see, and data.mdb grew with every commit of the
+    long-lived writer. gc (and every writable open) now frees dead readers' slots."""
+    path = tmp_path / "s"
+    data = path / "index" / "data.mdb"
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        store.save(state_of([1]), step=0)
+        reader = run_child(f"""
+            import os, signal, cas
+            store = cas.open({str(path)!r}, readonly=True)
+            with store.index.read() as txn:
+                os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        reader.communicate(timeout=120)
+        assert reader.returncode == -9 and f" {reader.pid} " in store.index.env.readers()
+        sizes = []
+        for step in range(1, 25):
+            store.save(state_of([step + 1]), step=step)
+            store.gc(keep_last=1)
+            sizes.append(os.path.getsize(data))
+        assert f" {reader.pid} " not in store.index.env.readers()
+        assert sizes[-1] <= sizes[4], sizes  # pages freed by gc are reused, not appended
+        assert torch.equal(store.load(24)["t25"], tensor(25))
+
+
+def test_a_reader_on_a_read_only_mount_reads_one_consistent_index_while_a_writer_commits(tmp_path):
+    """Through a read-only bind mount the lock file cannot be written; the index was opened
+    without locks, so writers reused the pages a reader was reading (false MissingObjectError,
+    "index record damaged"). The reader now reads a private copy of one committed transaction:
+    a read transaction sees the same records before and after the writer's commits."""
+    path, view, flag = tmp_path / "s", tmp_path / "ro", str(tmp_path / "go")
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(4):
+            store.save(state_of([step, step + 10]), step=step)
+    view.mkdir()
+    if not mounted(["mount", "--bind", "-o", "ro", str(path)], view):
+        pytest.skip("cannot make a read-only bind mount here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True)
+        if os.access(view, os.W_OK):
+            pytest.skip("the bind mount did not become read-only")
+        reader = run_child(f"""
+            import os, time, cas
+            store = cas.open({str(view)!r}, create=False)
+            with store.index.read() as txn:
+                first = list(store.index.iter_records(txn))
+                open({flag!r} + ".reached", "w").close()
+                while not os.path.exists({flag!r}):
+                    time.sleep(0.01)
+                print(first == list(store.index.iter_records(txn)), len(first))
+            print(sorted(store.load(3)) == ["t13", "t3"])
+        """)
+        wait_reached(flag, reader)
+        with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+            for step in range(4, 10):
+                store.save(state_of([step, step + 20]), step=step)
+                store.forget([step - 4]) if step < 7 else None
+                store.gc()
+        open(flag, "w").close()
+        same, loaded = finish(reader).split("\n")[:2]
+        assert same.split()[0] == "True" and loaded == "True"
+    finally:
+        unmount(view)
