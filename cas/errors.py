@@ -43,6 +43,11 @@ class StoreWriteError(CasError):
     """Writing to the store failed (a full disk, say); nothing of that save was committed."""
 
 
+class UnsupportedFilesystemError(StoreWriteError):
+    """The store's filesystem cannot publish a file without possibly replacing another writer's
+    (neither renameat2 RENAME_NOREPLACE nor hard links): writes are refused rather than raced."""
+
+
 class StoreClosedError(CasError):
     """The store was used after close()."""
 

@@ -6,13 +6,24 @@ never modified; the only other writes are the store's config at creation.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
+import platform
 import re
 import secrets
 import socket
 import threading
 from typing import Callable
+
+from .errors import UnsupportedFilesystemError
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276}.get(platform.machine())
+# errnos saying "this filesystem or kernel cannot do that", as opposed to a failure of this call
+UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM})
 
 
 def host_tag() -> str:
@@ -68,7 +79,7 @@ def _owner_token(directory: str) -> str:
         fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.link(staging, final)
+            name_new(staging, final)
         except BaseException:
             os.close(fd)
             raise
@@ -133,6 +144,65 @@ def publish(tmp: str, path: str, *, fsync: bool = False) -> None:
     except BaseException:
         unlink_quietly(tmp)
         raise
+
+
+def _libc_renameat2():
+    """libc's renameat2 (glibc 2.28+), else the raw syscall where its number is known, else
+    None."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        return fn
+    if _SYS_RENAMEAT2 is None:
+        return None
+    libc.syscall.restype = ctypes.c_long
+    return lambda *args: libc.syscall(ctypes.c_long(_SYS_RENAMEAT2), *args)
+
+
+_renameat2 = _libc_renameat2()
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename `src` to `dst` in one step that never replaces an existing `dst`
+    (renameat2 with RENAME_NOREPLACE). FileExistsError when `dst` exists; an OSError whose
+    errno is in UNSUPPORTED when the kernel or the filesystem cannot do it (FUSE exFAT, NFS)."""
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available on this platform", dst)
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), dst)  # FileExistsError for EEXIST
+
+
+def name_new(tmp: str, path: str) -> bool:
+    """Give `tmp`'s file the name `path` in one step that never replaces a file: False (and
+    `tmp` left as it is) when `path` exists. renameat2(RENAME_NOREPLACE), else a hard link
+    (where the kernel or filesystem lacks the first: NFS, some FUSE); a check then a rename
+    would be two steps, and another writer's committed file could be replaced in between
+    (issue 21, item 6), so a filesystem with neither (FUSE exFAT) is refused. Object files,
+    record log entries, leases and owner files all take their names this way."""
+    try:
+        rename_noreplace(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in UNSUPPORTED:
+            raise
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in UNSUPPORTED:
+            raise
+        raise UnsupportedFilesystemError(
+            f"the filesystem holding {os.path.dirname(path)} can neither rename without replacing "
+            f"(renameat2 RENAME_NOREPLACE) nor make hard links ({exc.strerror}), so two writers could "
+            "replace each other's committed files; keep the store on a filesystem with either (ext4, xfs, "
+            "btrfs, tmpfs, NFS)") from None
+    unlink_quietly(tmp)
+    return True
 
 
 def atomic_write(path: str, parts, *, tmp_dir: str | None = None) -> None:

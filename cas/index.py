@@ -18,8 +18,10 @@ Tables (see docs/format.md, "Index"):
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -80,8 +82,11 @@ class ObjectRecord:
         return cls(where, stored, raw, pack, offset, base, depth)
 
 
-_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}]
+_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}, snapshot dir]
 _envs_lock = threading.Lock()
+_META = struct.Struct("<Q8xI20xI100xQ")  # an LMDB meta page: pgno, magic, page size, txnid (64-bit layout)
+_LMDB_MAGIC = 0xBEEFC0DE
+SNAPSHOT_ATTEMPTS = 5
 
 
 def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tuple[lmdb.Environment, dict]:
@@ -89,7 +94,8 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
     forbids opening an environment twice in a process, and its transactions are thread-safe),
     with its table handles: opening a table again would start a transaction, which waits for
     LMDB's writer lock while holding the GIL, so a store opened while another thread of the
-    process is in a write transaction (a DCP async save committing) deadlocked."""
+    process is in a write transaction (a DCP async save committing) deadlocked. Each writable
+    open clears the reader slots of dead processes (see reader_check)."""
     real = os.path.realpath(path)
     with _envs_lock:
         entry = _envs.get(real)
@@ -98,17 +104,96 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
                 raise CasError(f"the store index at {path} is already open read-only in this process; "
                                "close that store before opening it for writing")
             entry[2] += 1
-            return entry[0], entry[3]
-        try:
-            env = lmdb.open(path, subdir=True, create=create, readonly=readonly,
-                            lock=not readonly or os.access(path, os.W_OK),
-                            map_size=map_size, max_dbs=16, max_readers=512,
-                            readahead=False, sync=True, metasync=True)
-        except lmdb.Error as exc:
-            raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
-                           "from the objects on disk") from None
-        _envs[real] = [env, readonly, 1, {}]
-        return env, _envs[real][3]
+        else:
+            env, snapshot = _open_env(path, readonly=readonly, create=create, map_size=map_size)
+            entry = _envs[real] = [env, readonly, 1, {}, snapshot]
+    if not readonly:
+        reader_check(entry[0])
+    return entry[0], entry[3]
+
+
+def _open_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tuple[lmdb.Environment, str | None]:
+    """The environment at `path` with LMDB's locks, and None; or, where the lock file cannot
+    be written (a read-only mount of a store that writers may change through another path), a
+    private snapshot copy (see _snapshot) and the folder holding it. Never lock-free: a reader
+    without a reader slot lets writers reuse the pages it is reading."""
+    if readonly and not _lock_writable(path):
+        return _snapshot(path, map_size)
+    try:
+        env = lmdb.open(path, subdir=True, create=create, readonly=readonly, lock=True,
+                        map_size=map_size, max_dbs=16, max_readers=512,
+                        readahead=False, sync=True, metasync=True)
+    except lmdb.Error as exc:
+        raise CasError(f"cannot open the store index at {path}: {exc}; `cas repair` rebuilds it "
+                       "from the objects on disk") from None
+    return env, None
+
+
+def _lock_writable(path: str) -> bool:
+    """Whether this process can take a reader slot in the index's lock file."""
+    lock = os.path.join(path, "lock.mdb")
+    return os.access(lock if os.path.exists(lock) else path, os.W_OK)
+
+
+def reader_check(env: lmdb.Environment) -> int:
+    """Free the reader slots of processes that died inside a read transaction (a `cas du`
+    killed half way): LMDB keeps every page such a slot's snapshot could see, so until they
+    are freed every write transaction grows data.mdb. Returns the slots freed."""
+    try:
+        return env.reader_check()
+    except lmdb.Error:
+        return 0  # a snapshot opened read-only has no slots of others to free
+
+
+def _meta_txnids(data: str) -> tuple[list[int], int]:
+    """The transaction ids of an LMDB data file's two meta pages, and its page size."""
+    with open(data, "rb") as f:
+        first = f.read(_META.size)
+        pgno, magic, psize, txnid0 = _META.unpack(first)
+        f.seek(psize)
+        second = f.read(_META.size)
+    if magic != _LMDB_MAGIC or len(second) < _META.size:
+        raise CasError(f"{data} is not an LMDB data file; `cas repair` rebuilds the index")
+    return [txnid0, _META.unpack(second)[3]], psize
+
+
+def _snapshot(path: str, map_size: int) -> tuple[lmdb.Environment, str]:
+    """A private copy of the index as of one committed transaction, opened with locks of its
+    own: what a reader that cannot take a reader slot may safely read. Pages of transaction R
+    are reused only by a writer two commits later (LMDB frees them at R+1 and a writer uses
+    only pages freed before its predecessor), so a copy taken while the newest meta page moved
+    at most from R to R+1 holds all of R; both meta pages of the copy are then set to R."""
+    data = os.path.join(path, "data.mdb")
+    folder = tempfile.mkdtemp(prefix="cas-index-snapshot-")
+    try:
+        for _ in range(SNAPSHOT_ATTEMPTS):
+            before, psize = _meta_txnids(data)
+            shutil.copyfile(data, os.path.join(folder, "data.mdb"))
+            if max(_meta_txnids(data)[0]) <= max(before) + 1:
+                _pin_meta(os.path.join(folder, "data.mdb"), before.index(max(before)), psize)
+                env = lmdb.open(folder, subdir=True, readonly=True, lock=True, map_size=map_size,
+                                max_dbs=16, max_readers=512, readahead=False)
+                return env, folder
+        raise CasError(f"the store index at {path} cannot be locked from here (its folder is read-only) and "
+                       f"writers committed too fast to copy it {SNAPSHOT_ATTEMPTS} times; open the store "
+                       "through a writable path")
+    except (OSError, lmdb.Error) as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CasError(f"cannot open the store index at {path}: {exc}") from None
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _pin_meta(data: str, slot: int, psize: int) -> None:
+    """Overwrite the other meta page of a copied data file with meta page `slot`, so LMDB opens
+    exactly that transaction (the other may be half copied)."""
+    with open(data, "r+b") as f:
+        f.seek(slot * psize)
+        page = bytearray(f.read(psize))
+        page[:8] = (1 - slot).to_bytes(8, "little")  # the page's own number
+        f.seek((1 - slot) * psize)
+        f.write(page)
 
 
 def _release_env(path: str) -> None:
@@ -121,6 +206,8 @@ def _release_env(path: str) -> None:
         if entry[2] == 0:
             del _envs[real]
             entry[0].close()
+            if entry[4] is not None:
+                shutil.rmtree(entry[4], ignore_errors=True)
 
 
 class Index:
@@ -152,6 +239,10 @@ class Index:
 
     def close(self) -> None:
         _release_env(self.path)
+
+    def reader_check(self) -> int:
+        """Free dead processes' reader slots (see reader_check); gc calls it as it starts repacking."""
+        return reader_check(self.env)
 
     def db(self, name: str):
         return self.tables[name]

@@ -1,7 +1,7 @@
 """The local-filesystem backend: blobs as files under the store's folder (cas.backend's contract).
 
-Create-only writes go to a temporary file, are fsynced, and take their name by a hard link,
-which fails instead of replacing a file that exists (two writers racing on one name: one wins);
+Create-only writes go to a temporary file, are fsynced, and take their name by a rename that
+never replaces a file (fsutil.name_new: renameat2 RENAME_NOREPLACE, else a hard link) (two writers racing on one name: one wins);
 the directory is fsynced before put_if_absent returns. Leases are files holding an exclusive
 `flock` for as long as their holder lives: the kernel drops the lock when the holder dies,
 however it dies, and in whatever PID namespace it ran, so a lease is judged dead only when its
@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .backend import Capabilities
 from .errors import CasError, MissingObjectError
-from .fsutil import fsync_dir, unlink_quietly, write_tmp
+from .fsutil import fsync_dir, name_new, unlink_quietly, write_tmp
 
 MAX_BLOB = 1 << 30  # log entries and leases are small; a larger file is not one of ours
 
@@ -80,7 +80,7 @@ class LocalBackend:
         self._ensure_dir(os.path.dirname(path))
         tmp = write_tmp(path, parts, tmp_dir=self.tmp_dir, fsync=True)
         try:
-            created = _link_new(tmp, path)
+            created = name_new(tmp, path)
         finally:
             unlink_quietly(tmp)
         if created:
@@ -114,7 +114,7 @@ class LocalBackend:
         fd = os.open(tmp, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not _link_new(tmp, path):
+            if not name_new(tmp, path):
                 raise CasError(f"lease {name} exists already in the store at {self.root}")
         except BaseException:
             os.close(fd)
@@ -143,13 +143,3 @@ class LocalBackend:
             if made:
                 fsync_dir(os.path.dirname(directory))
             self._made.add(directory)
-
-
-def _link_new(tmp: str, path: str) -> bool:
-    """Give `tmp`'s file the name `path` unless that name exists (then False): a hard link is
-    the atomic no-clobber rename."""
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    return True

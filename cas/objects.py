@@ -12,9 +12,10 @@ import os
 import threading
 from typing import Callable, Iterable, Iterator, Protocol
 
+from . import faults
 from .errors import MissingObjectError
 from .fanout import FanoutDir
-from .fsutil import fsync_dir, fsync_file, publish, read_file, read_head, unlink_quietly, write_tmp
+from .fsutil import fsync_dir, fsync_file, name_new, publish, read_file, read_head, unlink_quietly, write_tmp
 from .hashing import to_hex
 
 MAX_OBJECT_FILE = (1 << 31) + 4096  # an encoded object never exceeds MAX_OBJECT_RAW plus its header
@@ -100,8 +101,7 @@ class FileObjects(FanoutDir):
         holds that name already: False then, and the staged file is left as it is. An existing
         file may be indexed by another writer, and other checkpoints decode through it, so it
         never changes under them; the writer decides with the index (WriteSession.commit and
-        adopt). A hard link is the atomic no-clobber rename; where the filesystem has none, the
-        check and the rename are two steps. sync() makes the new names durable."""
+        adopt). sync() makes the new names durable."""
         tmp, key = staged
         if fsync:
             fsync_file(tmp)
@@ -110,16 +110,9 @@ class FileObjects(FanoutDir):
         made = directory not in self._made
         if made:
             os.makedirs(directory, exist_ok=True)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
+        faults.point("objects.placing")
+        if not name_new(tmp, path):
             return False
-        except OSError:  # no hard links here
-            if os.path.lexists(path):
-                return False
-            os.rename(tmp, path)
-        else:
-            unlink_quietly(tmp)
         with self._lock:
             self._made.add(directory)
             self._dirty.update((directory, self.root) if made else (directory,))

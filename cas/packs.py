@@ -23,6 +23,8 @@ from .hashing import hash_bytes, to_hex
 
 PACK_MAGIC = b"caspack1"
 _ENTRY = struct.Struct("<32sI")
+PACK_HEADER = len(PACK_MAGIC)  # bytes before the first entry
+PACK_ENTRY_HEADER = _ENTRY.size  # bytes before each encoded object
 PACK_TARGET = 16 << 20  # a writer starts a new pack past this many bytes
 MAX_PACK = 1 << 31
 

@@ -15,6 +15,7 @@ See docs/architecture.md, "Garbage collection and concurrent saves".
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ from cas.errors import CasError, CorruptionError
 from cas.fsutil import OWNER_PREFIX, host_tag, owner_alive, owner_file, tmp_owner, unlink_quietly
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
+from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -260,16 +262,19 @@ def _delete(store, txn, key: bytes, report: GcReport) -> int:
 
 
 def compact_packs(store, report: GcReport) -> None:
-    """Remove packs no record points to, and rewrite packs that hold dead entries so that only
+    """Remove packs no record points to, then rewrite packs that hold dead entries so that only
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
-    it may be that writer's own pack, not yet committed."""
+    it may be that writer's own pack, not yet committed. Rewrites are planned against the free
+    space: the pack freeing the most that fits goes next, and one that fits nowhere waits for a
+    later gc (named in report.deferred) rather than failing this one and every one after it."""
     packs, index = store.objects.packs, store.index
+    index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
     for pack in list(packs.iterate()):
         try:
             entries = [key for key, _, _ in packs.entries(pack)]
         except (CorruptionError, OSError):
-            continue  # a damaged pack is verify's and repair's business, never gc's
+            continue  # a damaged pack (or one another gc removed) is verify's business, never gc's
         with index.write() as txn:
             if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 continue
@@ -280,31 +285,81 @@ def compact_packs(store, report: GcReport) -> None:
                 report.packs_removed += 1
             elif len(live) < len(entries):
                 rewrite[pack] = live
-    for pack, live in rewrite.items():
+    plans = {pack: _repack_sizes(store, pack, live) for pack, live in rewrite.items()}
+    while plans:
+        free = _free_bytes(packs.root)
+        fitting = [p for p, (need, _) in plans.items() if need + _repack_margin(need) <= free]
+        if not fitting:
+            report.deferred = (f"{len(plans)} pack rewrite(s) need more free space than the "
+                               f"{free} bytes left; a later gc retries them")
+            return
+        pack = max(fitting, key=lambda p: plans[p][1])
+        del plans[pack]
         faults.point("gc.repack")
-        _rewrite_pack(store, pack, live, report)
+        _rewrite_pack(store, pack, rewrite[pack], report)
+
+
+def _repack_sizes(store, pack: bytes, live: list[bytes]) -> tuple[int, int]:
+    """(bytes a rewrite writes, bytes it frees) for a pack and its live entries."""
+    with store.index.read() as txn:
+        recs = [rec for k in live if (rec := store.index.record(txn, k)) is not None and rec.pack == pack]
+    need = PACK_HEADER + sum(PACK_ENTRY_HEADER + rec.stored_size for rec in recs)
+    return need, (store.objects.packs.size(pack) or 0) - need
+
+
+def _repack_margin(need: int) -> int:
+    """Room kept free beyond a rewrite's new pack: the index grows by the moved records' pages."""
+    return (256 << 10) + need // 16
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still write on the filesystem holding `path`."""
+    st = os.statvfs(path if os.path.isdir(path) else os.path.dirname(path))
+    return st.f_bavail * st.f_frsize
 
 
 def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> None:
     """Move a pack's live objects into a new pack (same keys, so no manifest changes), then
-    remove the old pack once no record points to it."""
+    remove the old pack once no record points to it. Another gc may compact the same pack at
+    once: an entry it moved or swept meanwhile, or the pack it already removed, is skipped."""
     objects, index = store.objects, store.index
     with objects.session("gc repack") as session:
         session.hold(keys)
-        moved = 0
-        for key in keys:
-            rec = objects.record(key)
-            if rec is None or rec.pack != pack:
-                continue  # swept or moved meanwhile
-            session.write_encoded(key, objects.packs.read(pack, rec.offset, rec.stored_size, key), rec)
-            moved += rec.stored_size
-        session.commit(lambda txn: None)
+        with index.read() as txn:
+            recs = {k: rec for k in keys if (rec := index.record(txn, k)) is not None and rec.pack == pack}
+        faults.point("gc.repack_reading")
+        try:
+            moved = _move_entries(session, pack, recs)
+            session.commit(lambda txn: None)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            report.deferred = f"a pack rewrite ran out of space ({exc}); a later gc retries it"
+            return
     with index.write() as txn:
         if any((rec := index.record(txn, k)) is not None and rec.pack == pack for k in keys):
             return
-        report.reclaimed_bytes += (objects.packs.size(pack) or 0) - moved
+        size = objects.packs.size(pack)
+        if size is None:
+            return  # another gc removed it
+        report.reclaimed_bytes += size - moved
         objects.packs.delete(pack)
         report.packs_rewritten += 1
+
+
+def _move_entries(session, pack: bytes, recs: dict) -> int:
+    """Write each entry of `pack` that `recs` places there into the session's new pack; returns
+    the bytes moved. An entry that cannot be read is skipped: the pack is gone (another gc
+    rewrote it and the records point to its copy) or damaged (verify's business)."""
+    moved = 0
+    for key, rec in recs.items():
+        try:
+            blob = session.store.packs.read(pack, rec.offset, rec.stored_size, key)
+        except CorruptionError:
+            continue
+        session.write_encoded(key, blob, rec)
+        moved += rec.stored_size
+    return moved
 
 
 BARRIER_PREFIX = "barrier:"
