@@ -18,7 +18,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from cas import faults
-from cas.codecs import CodecPolicy, parse_header
+from cas.codecs import CodecPolicy, checked_level, parse_header
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
                         StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
@@ -97,6 +97,7 @@ class Store:
                  max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         _checked_max_chain(max_chain)
         _checked_delta_memory(delta_memory)
+        checked_level(compression_level)
         if type(max_inflight) is not int or max_inflight < 1:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
         self.path = os.path.abspath(os.fspath(path))

@@ -1,0 +1,104 @@
+"""Limits that saving and loading must agree on (issue 21, items 9 and 15): what save() accepts
+loads back, and what cannot load is refused at the call, before anything is committed.
+
+Real stores on real files, real LMDB, a real forked child and a real tmpfs; nothing is mocked."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cas
+from cas import faults
+from cas.codecs import STAGE_ZSTD, ZSTD_MAX_LEVEL, ZSTD_MIN_LEVEL, parse_header
+from cas.errors import CasError, StoreWriteError
+from cas.store.values import MAX_DEPTH
+
+KINDS = (dict, list, tuple, OrderedDict)
+
+
+def open_store(path, **options):
+    return cas.open(path, chunk_size=64 << 10, pack_max=16 << 10, **options)
+
+
+def nested(kinds, leaf):
+    """`leaf` inside one container per entry of `kinds`, the first outermost."""
+    value = leaf
+    for kind in reversed(kinds):
+        value = kind({"x": value}) if kind in (dict, OrderedDict) else kind([value])
+    return value
+
+
+def levels(kinds, leaf) -> int:
+    """The levels such a state nests (docs/format.md): its node is level 1, and each container and
+    a numpy scalar put what they hold one level deeper."""
+    return 1 + len(kinds) + isinstance(leaf, np.generic)
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
+def save_or_refuse(store, state, step: int, accept: bool) -> None:
+    """Saved and loaded back equal when `accept`; else refused at save with a TypeError naming
+    the depth, and nothing committed."""
+    before = [ck.step for ck in store.checkpoints()]
+    if accept:
+        store.save(state, step=step)
+        assert_same(store.load(step), state)
+    else:
+        with pytest.raises(TypeError, match=f"deeper than the {MAX_DEPTH} levels"):
+            store.save(state, step=step)
+        assert [ck.step for ck in store.checkpoints()] == before
+
+
+# --- item 15b: every zstd level, negative ones included -------------------------------------
+@pytest.mark.parametrize("level", [-1, -5, -128, -129, ZSTD_MIN_LEVEL, 0, 3, 19])
+def test_every_zstd_level_saves_and_records_itself_as_a_signed_byte(tmp_path, level):
+    state = {"w": torch.randn(30000), "z": torch.zeros(30000), "i": torch.arange(30000), "note": "x" * 5000}
+    with open_store(tmp_path / "s", compression_level=level) as store:
+        store.save(state, step=1)
+        assert_same(store.load(1), state)
+        assert store.verify().ok
+        with store.index.read() as txn:
+            records = list(store.index.iter_records(txn))
+        heads = [store.objects.fetch(key) for key, _ in records]
+    args = {arg for head in heads for sid, arg in parse_header(head).stages if sid == STAGE_ZSTD}
+    if level == ZSTD_MIN_LEVEL:  # zstd's fastest level shrinks nothing here: every object is stored raw
+        assert args <= {0x80}
+    else:
+        assert args == {max(level, -128) & 0xFF}  # docs/format.md: two's complement, clamped at -128
+
+
+@pytest.mark.parametrize("level", [ZSTD_MAX_LEVEL + 1, ZSTD_MIN_LEVEL - 1, 1.5, "fast", True, None])
+def test_a_level_zstd_refuses_is_refused_at_open(tmp_path, level):
+    with pytest.raises(CasError, match="compression_level must be a zstd level"):
+        open_store(tmp_path / "s", compression_level=level)
+    assert not (tmp_path / "s").exists()  # refused before the store was created
