@@ -190,6 +190,12 @@ class Encoded:
         return sum(memoryview(p).nbytes for p in self.parts)
 
 
+def can_delta(element_size: int) -> bool:
+    """Whether elements of this size may be coded as deltas: `sub` and `linear` work on 1-, 2-, 4-
+    and 8-byte integers, so wider ones (numpy float128, complex256) are written whole."""
+    return element_size in _UNSIGNED
+
+
 def checked_level(level) -> int:
     """A zstd level zstd accepts, refused when a store is opened rather than at every save."""
     if type(level) is not int or not ZSTD_MIN_LEVEL <= level <= ZSTD_MAX_LEVEL:
@@ -229,7 +235,7 @@ class CodecPolicy:
         group = element_size if element_size > 1 and n % element_size == 0 else 0
         sampled = n > 2 * SAMPLE_BYTES
         plain_sample = self._sample_size(view, group) if sampled or base is not None else None
-        if base is not None and base[1].size == n:
+        if base is not None and base[1].size == n and can_delta(group or 1):
             shift, delta_sample = self._best_prediction(view, group or 1, base[1], below)
             if delta_sample < DELTA_MARGIN * plain_sample:
                 reference = base[1]

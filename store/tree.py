@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from cas.codecs import can_delta
 from cas.errors import CorruptionError
 from cas.hashing import KEY_SIZE, hash_bytes
 
@@ -43,7 +44,7 @@ class TensorLeaf:
     skew: int = 0  # the tensor starts this many bytes into a chunk of a global grid (DCP shards)
     chunks: list = field(default_factory=list)
     staged: np.ndarray | None = None  # a host snapshot of the bytes, for asynchronous saves
-    floating: bool = False  # floats (float8 included) and complex: chunks may be deltas
+    floating: bool = False  # floats (float8 included) and complex, up to 8-byte parts: chunks may be deltas
 
     def bytes_view(self) -> np.ndarray:
         """Flat uint8 view of the values (one copy for CUDA, non-contiguous or lazy tensors)."""
@@ -117,7 +118,7 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if reason:
             raise TypeError(f"cannot store {reason} at {path!r}")
         leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
-                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=T.is_floating(t.dtype))
+                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=_deltable(t.dtype))
         leaves.append(leaf)
         return leaf
 
@@ -125,7 +126,7 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if a.dtype.kind not in "biufc" or a.dtype.fields is not None:
             raise TypeError(f"cannot store numpy array of dtype {a.dtype} at {path!r}")
         leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size,
-                          floating=T.is_floating(a.dtype))
+                          floating=_deltable(a.dtype))
         leaves.append(leaf)
         return leaf
 
@@ -143,6 +144,11 @@ def _checked_int(value: int, path: str) -> int:
 
 def _group(dtype) -> int:
     return T.group_size(dtype) if T.is_floating(dtype) else 1
+
+
+def _deltable(dtype) -> bool:
+    """Floats and complex numbers whose chunks may be deltas (`can_delta` of their byte group)."""
+    return T.is_floating(dtype) and can_delta(_group(dtype))
 
 
 def _wrap(container, children) -> object:

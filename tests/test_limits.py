@@ -79,6 +79,31 @@ def save_or_refuse(store, state, step: int, accept: bool) -> None:
         assert [ck.step for ck in store.checkpoints()] == before
 
 
+# --- item 15a: delta saves of numpy float128 and complex256 --------------------------------
+@pytest.mark.parametrize("dtype", ["float128", "complex256"])
+def test_delta_saves_of_16_byte_elements_are_written_whole(tmp_path, dtype):
+    """`sub` deltas subtract integers of at most 8 bytes; a bytegroup of 16 (numpy float128,
+    complex256's parts) made every delta save fail with a bare KeyError: 16."""
+    if not hasattr(np, dtype):
+        pytest.skip(f"numpy has no {dtype} on this platform")
+    rng = np.random.default_rng(0)
+    first = (rng.standard_normal(20000) * (1j if dtype == "complex256" else 1)).astype(dtype)  # 320+ KiB
+    states = [{"w": first, "t": torch.randn(20000)}]
+    states.append({"w": first + np.asarray(1e-6, dtype=dtype), "t": states[0]["t"] + 1e-6})
+    with open_store(tmp_path / "s", delta=True) as store:
+        for step, state in enumerate(states, 1):
+            store.save(state, step=step)
+    with open_store(tmp_path / "s", delta=True) as store:  # a resumed run reads its bases back
+        states.append({"w": states[1]["w"] * 2, "t": states[1]["t"] * 2})
+        store.save(states[2], step=3)
+        for step, state in enumerate(states, 1):
+            loaded = store.load(step)
+            assert loaded["w"].dtype == np.dtype(dtype) and loaded["w"].tobytes() == state["w"].tobytes()
+            assert torch.equal(loaded["t"], state["t"])
+        assert store.verify().ok
+        assert any(name.startswith("sub4") for name in store.codec_usage())  # the float32 tensor still deltas
+
+
 # --- item 15b: every zstd level, negative ones included -------------------------------------
 @pytest.mark.parametrize("level", [-1, -5, -128, -129, ZSTD_MIN_LEVEL, 0, 3, 19])
 def test_every_zstd_level_saves_and_records_itself_as_a_signed_byte(tmp_path, level):
