@@ -274,11 +274,13 @@ class Store:
         return self._write(self._prepare(state, step, False, None, meta, replacing=True))
 
     def _write(self, job: "_SaveJob") -> Checkpoint:
+        """Write and commit a planned save; a failed file write (OSError) or index transaction
+        (the index's StoreWriteError) is a StoreWriteError naming the step."""
         try:
             return self._write_objects(job)
-        except OSError as exc:
+        except (OSError, StoreWriteError) as exc:
             raise StoreWriteError(f"saving step {job.step} into {self.path} failed, nothing was committed: "
-                                  f"{exc.strerror or exc}") from exc
+                                  f"{getattr(exc, 'strerror', None) or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
         if not self.delta:

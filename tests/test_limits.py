@@ -127,3 +127,80 @@ def test_a_level_zstd_refuses_is_refused_at_open(tmp_path, level):
     with pytest.raises(CasError, match="compression_level must be a zstd level"):
         open_store(tmp_path / "s", compression_level=level)
     assert not (tmp_path / "s").exists()  # refused before the store was created
+
+
+# --- item 15f: LMDB failing inside a write transaction --------------------------------------
+def many_tensors(n: int, seed: int) -> dict:
+    """Many small tensors: a commit that indexes thousands of objects, so LMDB must grow its file."""
+    gen = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(8, generator=gen) for i in range(n)}
+
+
+@pytest.fixture
+def index_on_a_tiny_filesystem(tmp_path):
+    """A store whose index/ (only) lies on a 4 MiB tmpfs, and a function that fills that tmpfs.
+    The index files are copied in whole (not sparse): LMDB's lock file is a shared mapping, and
+    touching an unallocated page of it on a full tmpfs would be a SIGBUS, not an error."""
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        store.save({"a": torch.randn(1000)}, step=1)
+    index = path / "index"
+    files = {name: (index / name).read_bytes() for name in os.listdir(index)}
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(index)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    filler = index / "filler"
+
+    def fill() -> None:
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+
+    try:
+        for name, data in files.items():
+            (index / name).write_bytes(data)
+        yield path, fill, filler
+    finally:
+        subprocess.run(["umount", "-l", str(index)], capture_output=True)
+
+
+def test_a_full_disk_during_the_commit_transaction_is_a_store_write_error(index_on_a_tiny_filesystem):
+    path, fill, filler = index_on_a_tiny_filesystem
+    paused = str(path.parent / "paused")
+    with open_store(path) as store:
+        faults.configure(f"commit.synced=pause:{paused}")  # every object is durable; the commit is next
+        try:
+            future = store.save_async(many_tensors(3000, 2), step=2)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(paused + ".reached") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fill()
+            open(paused, "w").close()
+            with pytest.raises(StoreWriteError, match=r"saving step 2 into .* nothing was committed.*index") as err:
+                future.result(timeout=60)
+        finally:
+            faults.configure("")
+        assert "MDB_" in str(err.value) or "space" in str(err.value).lower()
+        assert [ck.step for ck in store.checkpoints()] == [1]
+        with pytest.raises(StoreWriteError, match="nothing was committed"):  # a plain save, at any transaction
+            store.save(many_tensors(3000, 3), step=3)
+        os.unlink(filler)  # space is back
+        store.save(many_tensors(3000, 2), step=2)
+        assert_same(store.load(2), many_tensors(3000, 2))
+        assert store.verify().ok
+
+
+def test_a_full_disk_in_another_write_is_a_store_write_error_naming_the_store(index_on_a_tiny_filesystem):
+    path, fill, filler = index_on_a_tiny_filesystem
+    with open_store(path) as store:
+        fill()
+        with pytest.raises(StoreWriteError, match=f"index of the store at {path}.*nothing of that change"):
+            with store.index.write() as txn:  # what every registry change and lease goes through
+                for i in range(20000):
+                    txn.put(b"test-%d" % i, b"x" * 100, db=store.index.db("meta"))
+        os.unlink(filler)
+        with store.index.read() as txn:
+            assert txn.get(b"test-0", db=store.index.db("meta")) is None
+        assert store.load(1)["a"].shape == (1000,)
