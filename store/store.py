@@ -101,6 +101,7 @@ class Store:
         if type(max_inflight) is not int or max_inflight < 1:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
         self.path = os.path.abspath(os.fspath(path))
+        self._pid = os.getpid()  # the process whose threads and LMDB environment these are
         self.layout = L.Layout(self.path)
         self.created = False  # whether this open created the store
         if not os.path.exists(self.layout.config):
@@ -200,6 +201,7 @@ class Store:
         """Snapshot `state` into host memory and return; hash, encode, write and commit in the
         background. The caller may change the state as soon as this returns. With the default
         max_inflight=1, a second call first waits for the previous save to finish."""
+        _checked_process(self._pid, self.path)  # before waiting on saves that a fork left behind
         self._raise_unobserved()
         while len(self._inflight) >= self.max_inflight:
             concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -254,6 +256,7 @@ class Store:
     def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
+        _checked_process(self._pid, self.path)
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
@@ -774,6 +777,16 @@ def _checked_delta_memory(delta_memory) -> int | None:
     if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
         raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
     return delta_memory
+
+
+def _checked_process(pid: int, path: str) -> None:
+    """Refuse a Store used by a child forked after it was opened: the child has none of its
+    worker threads (a save would wait on them forever) and LMDB forbids using an environment
+    across fork."""
+    if os.getpid() != pid:
+        raise CasError(f"this Store of {path} was opened in process {pid}, and process {os.getpid()} is a child "
+                       "forked after that: its worker threads and index do not work here. Open the store again "
+                       "in the child (cas.open(path))")
 
 
 def _checked_meta(meta) -> dict:

@@ -129,6 +129,46 @@ def test_a_level_zstd_refuses_is_refused_at_open(tmp_path, level):
     assert not (tmp_path / "s").exists()  # refused before the store was created
 
 
+# --- item 15d: a Store used in a child forked after the open ---------------------------------
+def test_a_forked_child_is_refused_instead_of_hanging(tmp_path):
+    store = open_store(tmp_path / "s")
+    store.save({"w": torch.randn(1000)}, step=1)  # the pools have threads now, which a child lacks
+    store.save_async({"w": torch.randn(1000)}, step=2).result()
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()": the point
+        pid = os.fork()
+    if pid == 0:  # the child: report and leave without running any of the parent's cleanup
+        code = 0
+        for call in ("save", "save_async"):
+            try:
+                getattr(store, call)({"w": torch.zeros(3)}, step=3)
+                code |= 1
+            except CasError as exc:
+                os.write(write, f"{call}: {exc}\n".encode())
+            except BaseException:  # noqa: BLE001 - any other outcome fails the test
+                code |= 2
+        os._exit(code)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in save")
+    with os.fdopen(read) as pipe:
+        report = pipe.read()
+    assert os.waitstatus_to_exitcode(status) == 0, report
+    assert report.count(f"opened in process {os.getpid()}") == 2 and "open the store again" in report.lower()
+    store.save({"w": torch.zeros(3)}, step=3)  # the parent's store is untouched
+    assert [ck.step for ck in store.checkpoints()] == [1, 2, 3]
+    store.close()
+
+
 # --- item 15f: LMDB failing inside a write transaction --------------------------------------
 def many_tensors(n: int, seed: int) -> dict:
     """Many small tensors: a commit that indexes thousands of objects, so LMDB must grow its file."""
