@@ -34,7 +34,7 @@ from .registry import Checkpoint, Registry, exists_error, step_key
 from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
-from .values import numpy_dtype, pack
+from .values import check_texts, checked_text, numpy_dtype, pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -747,6 +747,7 @@ def _checked_metrics(metrics) -> dict:
         raise TypeError("metrics must be a dict with str keys")
     out = {}
     for k, v in metrics.items():
+        checked_text(k, "a metrics key")
         if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
             if v.size != 1 if isinstance(v, (np.ndarray, np.generic)) else v.numel() != 1:
                 raise TypeError(f"metric {k!r} must be one number, got a {type(v).__name__} of shape {tuple(v.shape)}")
@@ -800,6 +801,8 @@ def _checked_meta(meta) -> dict:
         # a copy: the caller of save_async may change its dict once the call returns
         return msgpack.unpackb(plain, raw=False, strict_map_key=False)
     except (TypeError, ValueError, OverflowError) as exc:  # a tuple key comes back unhashable, say
+        if isinstance(exc, UnicodeEncodeError):  # a lone surrogate: name where it sits
+            check_texts(meta, "meta")  # (msgpack got that far, so this walk stays within its nesting limit)
         raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts "
                         f"with str or int keys): {exc}") from None
 

@@ -79,6 +79,64 @@ def save_or_refuse(store, state, step: int, accept: bool) -> None:
         assert [ck.step for ck in store.checkpoints()] == before
 
 
+# --- item 9: one nesting limit for save and load --------------------------------------------
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("leaf", [7, np.float32(1.5)], ids=["int", "numpy-scalar"])
+def test_nesting_at_the_limit_round_trips_and_one_more_is_refused(store, kind, leaf):
+    most = MAX_DEPTH - levels([], leaf)  # containers of `kind` around `leaf` that still fit
+    for step, n in enumerate((most - 1, most, most + 1), 1):
+        save_or_refuse(store, nested([kind] * n, leaf), step, accept=n <= most)
+    store.gc()
+    assert store.verify().ok
+
+
+def test_issue_states_are_refused_at_save(store):
+    """The two states of the report: committed, then unloadable (and every gc failed on them)."""
+    for step, state in enumerate([nested([tuple] * 63, np.float32(1.0)),
+                                  nested([OrderedDict] * 63, np.int64(3))], 1):
+        with pytest.raises(TypeError, match=r"'(0\.)+0'|'(x\.)+x'"):
+            store.save(state, step=step)
+    assert store.checkpoints() == []
+    store.gc()
+    assert store.verify().ok
+
+
+def test_nesting_with_tensors_below_counts_the_whole_state(store):
+    """Containers holding tensors become nodes of their own; the planner still counts the whole
+    state, so the limit does not depend on where node boundaries fall."""
+    most = MAX_DEPTH - 1
+    tensor = torch.arange(5.0)
+    store.save(nested([dict, tuple] * (most // 2), tensor), step=1)
+    assert_same(store.load(1), nested([dict, tuple] * (most // 2), tensor))
+    with pytest.raises(TypeError, match="deeper than"):
+        store.save(nested([OrderedDict] * (most + 1), tensor), step=2)
+
+
+def test_state_dict_metadata_counts_inside_its_ordered_dict(store):
+    """A state dict's `_metadata` is packed inside its OrderedDict's payload: under {"m": ...} it
+    sits at level 3, so 61 tuples fit and 63 did commit, then failed every load."""
+    for step, depth, accept in ((1, MAX_DEPTH - 1, False), (2, MAX_DEPTH - 3, True)):
+        module = OrderedDict(a=1)
+        module._metadata = nested([tuple] * depth, 1)
+        if not accept:
+            with pytest.raises(TypeError, match="_metadata"):
+                store.save({"m": module}, step=step)
+            continue
+        store.save({"m": module}, step=step)
+        assert store.load(step)["m"]._metadata == module._metadata
+    assert [ck.step for ck in store.checkpoints()] == [2]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds=st.lists(st.sampled_from(KINDS), min_size=MAX_DEPTH - 4, max_size=MAX_DEPTH + 1),
+       leaf=st.sampled_from([7, "s", np.float64(2.5), np.int8(-1), np.complex64(1j)]))
+def test_any_mix_of_containers_near_the_limit(kinds, leaf):
+    with tempfile.TemporaryDirectory() as tmp, open_store(tmp) as store:
+        save_or_refuse(store, nested(kinds, leaf), 1, accept=levels(kinds, leaf) <= MAX_DEPTH)
+        if levels(kinds, leaf) <= MAX_DEPTH:
+            assert store.verify().ok
+
+
 # --- item 15a: delta saves of numpy float128 and complex256 --------------------------------
 @pytest.mark.parametrize("dtype", ["float128", "complex256"])
 def test_delta_saves_of_16_byte_elements_are_written_whole(tmp_path, dtype):
@@ -127,6 +185,32 @@ def test_a_level_zstd_refuses_is_refused_at_open(tmp_path, level):
     with pytest.raises(CasError, match="compression_level must be a zstd level"):
         open_store(tmp_path / "s", compression_level=level)
     assert not (tmp_path / "s").exists()  # refused before the store was created
+
+
+# --- item 15c: str values msgpack cannot write -----------------------------------------------
+SURROGATE = "caf\udce9"  # what os.fsdecode leaves of a Latin-1 file name
+
+
+@pytest.mark.parametrize("where, state, kwargs", [
+    ("'cfg.name'", {"cfg": {"name": SURROGATE}, "w": torch.ones(2)}, {}),
+    ("a dict key at 'cfg'", {"cfg": {SURROGATE: 1}}, {}),
+    ("'seq.1'", {"seq": ("ok", SURROGATE)}, {}),
+    ("'m._metadata..version'", {"m": OrderedDict(a=1)}, {}),
+    ("a metrics key", {"w": torch.ones(2)}, {"metrics": {SURROGATE: 1.0}}),
+    ("'meta.files.0'", {"w": torch.ones(2)}, {"meta": {"files": [SURROGATE]}}),
+    ("a dict key at 'meta.by_name'", {"w": torch.ones(2)}, {"meta": {"by_name": {SURROGATE: 1}}}),
+], ids=["value", "key", "tuple", "metadata", "metrics-key", "meta-value", "meta-key"])
+@pytest.mark.parametrize("call", ["save", "save_async"])
+def test_a_lone_surrogate_is_refused_at_the_call(store, where, state, kwargs, call):
+    if "m" in state:
+        state["m"]._metadata = {"": {"version": SURROGATE}}
+    with pytest.raises(TypeError, match="surrogate") as err:
+        getattr(store, call)(state, step=1, **kwargs)  # save_async too: at the call, not in its future
+    assert where in str(err.value)
+    store.wait()
+    assert store.checkpoints() == []
+    store.save({"w": torch.ones(2)}, step=1, metrics={"loss": 1.0}, meta={"name": "café"})
+    assert store.load(1)["w"].tolist() == [1.0, 1.0]
 
 
 # --- item 15d: a Store used in a child forked after the open ---------------------------------
