@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from .errors import CorruptionError, FormatVersionError
+from .errors import CasError, CorruptionError, FormatVersionError
 from .hashing import KEY_SIZE, hash_bytes, to_hex
 
 MAGIC = b"caso"
@@ -27,7 +27,7 @@ _HEADER = struct.Struct("<4sBBQ")  # magic, object format, number of stages, raw
 _STAGE = struct.Struct("<BB")  # stage id, stage argument
 
 STAGE_BYTEGROUP = 1  # argument: element size; byte k of every element, for k = 0..size-1
-STAGE_ZSTD = 2  # argument: the level it was written with (informational)
+STAGE_ZSTD = 2  # argument: the level it was written with, a signed byte (informational; `_level_field`)
 STAGE_XOR = 3  # argument 0; the 32-byte key of the base object follows. Read only: stores made
 #                before `sub` hold such deltas; new deltas are `sub`, smaller on every kind measured
 STAGE_SUB = 4  # argument: element size; zigzag(raw - base) per element; the base key follows
@@ -48,6 +48,8 @@ _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 # element sizes grouped by integer shifts (little-endian hosts; 8-byte shifts measured slower)
 _SHIFTED = (2, 4) if sys.byteorder == "little" else ()
 
+ZSTD_MIN_LEVEL = -(1 << 17)  # zstd's fastest "fast" level (ZSTD_minCLevel); python-zstandard takes any lower as it
+ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 MAX_OBJECT_RAW = 1 << 31  # refuse headers that claim more; chunks and nodes are far smaller
 MAX_STAGES = 4
 SAMPLE_BYTES = 64 << 10  # compress this much first; skip zstd when the sample does not shrink
@@ -188,12 +190,35 @@ class Encoded:
         return sum(memoryview(p).nbytes for p in self.parts)
 
 
+def can_delta(element_size: int) -> bool:
+    """Whether elements of this size may be coded as deltas: `sub` and `linear` work on 1-, 2-, 4-
+    and 8-byte integers, so wider ones (numpy float128, complex256) are written whole."""
+    return element_size in _UNSIGNED
+
+
+def checked_level(level) -> int:
+    """A zstd level zstd accepts, refused when a store is opened rather than at every save."""
+    if type(level) is not int or not ZSTD_MIN_LEVEL <= level <= ZSTD_MAX_LEVEL:
+        raise CasError(f"compression_level must be a zstd level, an int from {ZSTD_MIN_LEVEL} to {ZSTD_MAX_LEVEL} "
+                       f"(negative levels are zstd's fast ones), got {level!r}")
+    return level
+
+
+def _level_field(level: int) -> int:
+    """The zstd stage's header argument: the level as a signed byte (two's complement), levels
+    below -128 written as -128. Readers ignore it; it says how an object was written."""
+    return max(level, -128) & 0xFF
+
+
 @dataclass(frozen=True)
 class CodecPolicy:
     """How new objects are encoded. Recorded per object in its header, so it may change freely."""
 
     compress: bool = True
     level: int = 1  # measured: after byte grouping level 3 is no smaller and 1.3-1.9x slower
+
+    def __post_init__(self) -> None:
+        checked_level(self.level)
 
     def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None,
                below: np.ndarray | None = None) -> Encoded:
@@ -210,7 +235,7 @@ class CodecPolicy:
         group = element_size if element_size > 1 and n % element_size == 0 else 0
         sampled = n > 2 * SAMPLE_BYTES
         plain_sample = self._sample_size(view, group) if sampled or base is not None else None
-        if base is not None and base[1].size == n:
+        if base is not None and base[1].size == n and can_delta(group or 1):
             shift, delta_sample = self._best_prediction(view, group or 1, base[1], below)
             if delta_sample < DELTA_MARGIN * plain_sample:
                 reference = base[1]
@@ -221,15 +246,18 @@ class CodecPolicy:
                 packed = self._pack(delta, group)
                 if len(packed) < n:
                     first = (STAGE_SUB, group or 1) if shift is None else (STAGE_LINEAR, group or 1)
-                    stages = (first,) + (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
+                    stages = (first,) + self._packed_stages(group)
                     return Encoded([_header(n, stages, base[0], shift), packed], base[0])
         if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
             return Encoded([_header(n, ()), view])
         packed = self._pack(view, group)
         if len(packed) >= n:
             return Encoded([_header(n, ()), view])
-        stages = (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, self.level),)
-        return Encoded([_header(n, stages), packed])
+        return Encoded([_header(n, self._packed_stages(group)), packed])
+
+    def _packed_stages(self, group: int) -> tuple:
+        """The header stages of what `_pack` makes: [bytegroup,] zstd."""
+        return (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, _level_field(self.level)),)
 
     def _pack(self, data: np.ndarray, group: int) -> bytes:
         if group:

@@ -31,7 +31,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from .errors import CasError, ReadOnlyStoreError
+from .errors import CasError, ReadOnlyStoreError, StoreWriteError
 from .hashing import KEY_SIZE
 
 WHERE_FILE = 0  # objects/ab/<key>
@@ -254,11 +254,18 @@ class Index:
 
     @contextmanager
     def write(self) -> Iterator[lmdb.Transaction]:
-        """One atomic, synced write transaction; aborted if the block raises."""
+        """One atomic, synced write transaction; aborted if the block raises. LMDB's own errors
+        (a full disk or a read-only filesystem at commit) become StoreWriteError: LMDB aborted
+        the whole transaction, so the caller learns that nothing of it was committed."""
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {os.path.dirname(self.path)} is open read-only")
-        with self.env.begin(write=True) as txn:
-            yield txn
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.Error as exc:
+            raise StoreWriteError(f"writing to the index of the store at {os.path.dirname(self.path)} failed "
+                                  f"({type(exc).__name__}: {exc}); nothing of that change was committed. Free "
+                                  "space on its filesystem (or make it writable) and retry") from exc
 
     # --- objects -------------------------------------------------------------------------
     def record(self, txn, key: bytes) -> ObjectRecord | None:

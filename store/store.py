@@ -18,7 +18,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from cas import faults
-from cas.codecs import CodecPolicy, parse_header
+from cas.codecs import CodecPolicy, checked_level, parse_header
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
                         StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
@@ -36,7 +36,7 @@ from .registry import Checkpoint, Registry, add_change, exists_error, remove_cha
 from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
-from .values import numpy_dtype, pack
+from .values import check_texts, checked_text, numpy_dtype, pack
 from .verify import VerifyReport, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -99,9 +99,11 @@ class Store:
                  max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
         _checked_max_chain(max_chain)
         _checked_delta_memory(delta_memory)
+        checked_level(compression_level)
         if type(max_inflight) is not int or max_inflight < 1:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
         self.path = os.path.abspath(os.fspath(path))
+        self._pid = os.getpid()  # the process whose threads and LMDB environment these are
         self.layout = L.Layout(self.path)
         self.created = False  # whether this open created the store
         if not os.path.exists(self.layout.config):
@@ -250,6 +252,7 @@ class Store:
         """Snapshot `state` into host memory and return; hash, encode, write and commit in the
         background. The caller may change the state as soon as this returns. With the default
         max_inflight=1, a second call first waits for the previous save to finish."""
+        _checked_process(self._pid, self.path)  # before waiting on saves that a fork left behind
         self._raise_unobserved()
         while len(self._inflight) >= self.max_inflight:
             concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -304,6 +307,7 @@ class Store:
     def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
+        _checked_process(self._pid, self.path)
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
@@ -324,11 +328,13 @@ class Store:
         return self._write(self._prepare(state, step, False, None, meta, replacing=True))
 
     def _write(self, job: "_SaveJob") -> Checkpoint:
+        """Write and commit a planned save; a failed file write (OSError) or index transaction
+        (the index's StoreWriteError) is a StoreWriteError naming the step."""
         try:
             return self._write_objects(job)
-        except OSError as exc:
+        except (OSError, StoreWriteError) as exc:
             raise StoreWriteError(f"saving step {job.step} into {self.path} failed, nothing was committed: "
-                                  f"{exc.strerror or exc}") from exc
+                                  f"{getattr(exc, 'strerror', None) or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
         if not self.delta:
@@ -803,6 +809,7 @@ def _checked_metrics(metrics) -> dict:
         raise TypeError("metrics must be a dict with str keys")
     out = {}
     for k, v in metrics.items():
+        checked_text(k, "a metrics key")
         if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
             if v.size != 1 if isinstance(v, (np.ndarray, np.generic)) else v.numel() != 1:
                 raise TypeError(f"metric {k!r} must be one number, got a {type(v).__name__} of shape {tuple(v.shape)}")
@@ -835,6 +842,16 @@ def _checked_delta_memory(delta_memory) -> int | None:
     return delta_memory
 
 
+def _checked_process(pid: int, path: str) -> None:
+    """Refuse a Store used by a child forked after it was opened: the child has none of its
+    worker threads (a save would wait on them forever) and LMDB forbids using an environment
+    across fork."""
+    if os.getpid() != pid:
+        raise CasError(f"this Store of {path} was opened in process {pid}, and process {os.getpid()} is a child "
+                       "forked after that: its worker threads and index do not work here. Open the store again "
+                       "in the child (cas.open(path))")
+
+
 def _checked_meta(meta) -> dict:
     if meta is None:
         return {}
@@ -846,6 +863,8 @@ def _checked_meta(meta) -> dict:
         # a copy: the caller of save_async may change its dict once the call returns
         return msgpack.unpackb(plain, raw=False, strict_map_key=False)
     except (TypeError, ValueError, OverflowError) as exc:  # a tuple key comes back unhashable, say
+        if isinstance(exc, UnicodeEncodeError):  # a lone surrogate: name where it sits
+            check_texts(meta, "meta")  # (msgpack got that far, so this walk stays within its nesting limit)
         raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts "
                         f"with str or int keys): {exc}") from None
 

@@ -18,11 +18,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from cas.codecs import can_delta
 from cas.errors import CorruptionError
 from cas.hashing import KEY_SIZE, hash_bytes
 
 from . import tensors as T
-from .values import MAX_BIGINT_BYTES, MAX_DEPTH, Ref, numpy_dtype, pack, unpack
+from .values import (MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
+                     too_deep, unpack)
 
 MANIFEST_FORMAT = 1
 MAX_DIMS = 64
@@ -43,7 +45,7 @@ class TensorLeaf:
     skew: int = 0  # the tensor starts this many bytes into a chunk of a global grid (DCP shards)
     chunks: list = field(default_factory=list)
     staged: np.ndarray | None = None  # a host snapshot of the bytes, for asynchronous saves
-    floating: bool = False  # floats (float8 included) and complex: chunks may be deltas
+    floating: bool = False  # floats (float8 included) and complex, up to 8-byte parts: chunks may be deltas
 
     def bytes_view(self) -> np.ndarray:
         """Flat uint8 view of the values (one copy for CUDA, non-contiguous or lazy tensors)."""
@@ -78,13 +80,14 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
     Raises TypeError naming the path of the first value we cannot store."""
     leaves: list[TensorLeaf] = []
 
-    def walk(value, path: str, depth: int):
-        if depth > MAX_DEPTH:
-            raise TypeError(f"state is nested deeper than {MAX_DEPTH} levels at {path!r}")
+    def walk(value, path: str, level: int):
+        """`level`: the msgpack level `value` is written at (the root node's is 1)."""
         kind = type(value)
         if kind is int:
             return _checked_int(value, path)
-        if kind in (type(None), bool, float, str, bytes):
+        if kind is str:
+            return checked_text(value, _where(path))
+        if kind in (type(None), bool, float, bytes):
             return value
         if isinstance(value, torch.Tensor):
             return add_tensor(value, path)
@@ -92,32 +95,28 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
             return add_array(value, path)
         if isinstance(value, np.generic):
             if value.dtype.kind not in "biufc":
-                raise TypeError(f"cannot store numpy scalar of dtype {value.dtype} at {path or '<root>'!r}")
+                raise TypeError(f"cannot store numpy scalar of dtype {value.dtype} at {_where(path)}")
+            _inner_level(value, level, path)
             return value
         if kind in (dict, OrderedDict):
-            items = []
-            for k, v in value.items():
-                if type(k) not in (str, int, bool):
-                    raise TypeError(f"cannot store dict key {k!r} of type {type(k).__name__} at {path or '<root>'!r}: "
-                                    "keys must be str or int")
-                if type(k) is int:
-                    _checked_int(k, path)
-                items.append((k, walk(v, path_join(path, k), depth + 1)))
+            inner = _inner_level(value, level, path)
+            items = [(_checked_key(k, path), walk(v, path_join(path, k), inner)) for k, v in value.items()]
             out = kind(items)
             if kind is OrderedDict and hasattr(value, "_metadata"):
-                out._metadata = _copied_metadata(value._metadata, path)
+                out._metadata = walk(_copied_metadata(value._metadata, path), path_join(path, "_metadata"), inner)
             return _wrap(out, (v for _, v in items))
         if kind in (list, tuple):
-            out = kind(walk(v, path_join(path, i), depth + 1) for i, v in enumerate(value))
+            inner = _inner_level(value, level, path)
+            out = kind(walk(v, path_join(path, i), inner) for i, v in enumerate(value))
             return _wrap(out, out)
-        raise TypeError(f"cannot store a value of type {kind.__module__}.{kind.__qualname__} at {path or '<root>'!r}")
+        raise TypeError(f"cannot store a value of type {kind.__module__}.{kind.__qualname__} at {_where(path)}")
 
     def add_tensor(t: torch.Tensor, path: str) -> TensorLeaf:
         reason = T.unsupported_tensor_reason(t)
         if reason:
             raise TypeError(f"cannot store {reason} at {path!r}")
         leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
-                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=T.is_floating(t.dtype))
+                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=_deltable(t.dtype))
         leaves.append(leaf)
         return leaf
 
@@ -125,11 +124,40 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if a.dtype.kind not in "biufc" or a.dtype.fields is not None:
             raise TypeError(f"cannot store numpy array of dtype {a.dtype} at {path!r}")
         leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size,
-                          floating=T.is_floating(a.dtype))
+                          floating=_deltable(a.dtype))
         leaves.append(leaf)
         return leaf
 
-    return walk(state, "", 0), leaves
+    return walk(state, "", 1), leaves
+
+
+def _where(path: str) -> str:
+    return repr(path or "<root>")
+
+
+def _inner_level(value, level: int, path: str) -> int:
+    """The level a container or numpy scalar puts what it holds at, refused past MAX_DEPTH as the
+    decoder refuses it. Extension types (`opens_level`) are a level for the decoder too; lists and
+    dicts are counted as well, for a bound on recursion that holds across nodes."""
+    inner = level + 1
+    if too_deep(inner):
+        kinds = "tuple, OrderedDict or numpy scalar" if opens_level(value) else "container"
+        raise TypeError(f"cannot store {_where(path)}: this {type(value).__name__} is one {kinds} too many, nested "
+                        f"deeper than the {MAX_DEPTH} levels a checkpoint node holds (each dict, list, tuple, "
+                        "OrderedDict and numpy scalar is a level); flatten the state there")
+    return inner
+
+
+def _checked_key(key, path: str):
+    """A dict key a manifest holds: str (UTF-8 encodable) or an int loading can read back."""
+    if type(key) is str:
+        return checked_text(key, f"a dict key at {_where(path)}")
+    if type(key) is int:
+        return _checked_int(key, path)
+    if type(key) is bool:
+        return key
+    raise TypeError(f"cannot store dict key {key!r} of type {type(key).__name__} at {_where(path)}: "
+                    "keys must be str or int")
 
 
 def _checked_int(value: int, path: str) -> int:
@@ -145,6 +173,11 @@ def _group(dtype) -> int:
     return T.group_size(dtype) if T.is_floating(dtype) else 1
 
 
+def _deltable(dtype) -> bool:
+    """Floats and complex numbers whose chunks may be deltas (`can_delta` of their byte group)."""
+    return T.is_floating(dtype) and can_delta(_group(dtype))
+
+
 def _wrap(container, children) -> object:
     holds = any(isinstance(c, (TensorLeaf, _Container)) for c in children)
     return _Container(container) if holds else container
@@ -155,7 +188,9 @@ def _copied_metadata(meta, path: str):
     save does not see later changes."""
     try:
         return unpack(pack(meta))
-    except (TypeError, ValueError, OverflowError, CorruptionError):
+    except (TypeError, ValueError, OverflowError, CorruptionError) as exc:
+        if isinstance(exc, UnicodeEncodeError):  # a lone surrogate: name where it sits
+            check_texts(meta, path_join(path, "_metadata"))
         raise TypeError(f"cannot store the _metadata of the state dict at {path or '<root>'!r}") from None
 
 

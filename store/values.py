@@ -23,6 +23,9 @@ EXT_TUPLE = 2  # packed array
 EXT_BIGINT = 3  # signed big-endian two's complement
 EXT_NPSCALAR = 4  # packed [dtype str, raw bytes]
 EXT_ODICT = 5  # packed [[key, value]...] pairs, then the `_metadata` value or nil
+# msgpack levels one node may nest: the node itself is level 1, and every value that opens a
+# level (`opens_level`) puts what it holds one level deeper. Decoding refuses a deeper node; the
+# planner counts the same way (and counts lists and dicts too), so a state it accepts loads.
 MAX_DEPTH = 64
 MAX_BIGINT_BYTES = 4096
 ALLOWED_NUMPY_KINDS = "biufc"
@@ -40,6 +43,44 @@ class _Depth:
 
     def __init__(self) -> None:
         self.level = 0
+
+
+def opens_level(value) -> bool:
+    """Whether decoding `value` unpacks a msgpack payload of its own, one level deeper: the
+    extension types whose payload is packed msgpack (tuples, OrderedDicts, numpy scalars)."""
+    return isinstance(value, (tuple, OrderedDict, np.generic))
+
+
+def too_deep(level: int) -> bool:
+    """The nesting limit, for the planner and the decoder alike: `level` counts from 1 (a node)."""
+    return level > MAX_DEPTH
+
+
+def checked_text(text: str, where: str) -> str:
+    """A str that msgpack can write: UTF-8 has no lone surrogates (what `errors="surrogateescape"`
+    decoding leaves in a str), so one would fail only when the node is packed, after the checks."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TypeError(f"cannot store the str {text[:40]!r} at {where}: it holds the lone surrogate "
+                        f"{text[exc.start]!r} at position {exc.start}, which UTF-8 cannot encode; "
+                        "store it as bytes (text.encode('utf-8', 'surrogateescape'))") from None
+    return text
+
+
+def check_texts(value, where: str) -> None:
+    """Raise checked_text's TypeError for the first str in a plain value (dict keys included)
+    that UTF-8 cannot encode, naming where it sits."""
+    if isinstance(value, str):
+        checked_text(value, repr(where))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                checked_text(k, f"a dict key at {where!r}")
+            check_texts(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_texts(v, f"{where}.{i}")
 
 
 def pack(value) -> bytes:
@@ -80,7 +121,7 @@ def unpack(data, *, what: str = "manifest node", key: str | None = None):
 
 def _unpack(data, depth: _Depth):
     depth.level += 1
-    if depth.level > MAX_DEPTH:
+    if too_deep(depth.level):
         raise CorruptionError(f"value nesting deeper than {MAX_DEPTH}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True,
