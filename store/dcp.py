@@ -791,7 +791,7 @@ class CasWriter(StorageWriter):
             seq = store.registry.commit(txn, "save", [add_change(ck, session.packs_written())])
             return dataclasses.replace(ck, seq=seq)
 
-        return session.commit(add)
+        return store.commit_session(session, add)
 
 
 # --- loading ---------------------------------------------------------------------------------

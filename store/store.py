@@ -8,6 +8,7 @@ import datetime as _dt
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -463,7 +464,34 @@ class Store:
             seq = self.registry.commit(txn, "replace" if old is not None else "save", changes)
             return dataclasses.replace(ck, seq=seq)
 
-        return session.commit(finish)
+        return self.commit_session(session, finish)
+
+    def commit_session(self, session, finish: Callable[[object], Checkpoint]) -> Checkpoint:
+        """session.commit(finish), where `finish` commits a checkpoint through the registry (its
+        record log entry created inside the commit transaction). Once that entry exists the
+        checkpoint is committed, whatever happens to the transaction after it: a failure there
+        (the index's disk full, say) leaves only the cache behind the store, so the save warns and
+        returns its checkpoint, and the cache is rebuilt now if it can be, else at the next open
+        (raising "nothing was committed" made the caller retry a step the store already holds)."""
+        logged: list[Checkpoint] = []
+
+        def logging(txn) -> Checkpoint:
+            logged.append(finish(txn))
+            return logged[-1]
+
+        try:
+            return session.commit(logging)
+        except Exception as exc:
+            if not logged:
+                raise
+            warnings.warn(f"cas: step {logged[0].step} is committed (its record log entry exists), but the index "
+                          f"of {self.path} could not be updated ({type(exc).__name__}: {exc}); it is rebuilt from "
+                          "the store", RuntimeWarning, stacklevel=3)
+            try:
+                self.ensure_cache()
+            except Exception:  # noqa: BLE001 - still failing: the next open rebuilds it
+                pass
+            return logged[0]
 
     def _after_commit(self, ck: Checkpoint) -> None:
         """Called after every committed save; the public store applies retention here."""
