@@ -20,6 +20,7 @@ class Store(CheckpointStore):
     applies the policy after every save, like orbax's max_to_keep."""
 
     def __init__(self, path: str | os.PathLike, *, retention: Retention | None = None, **options) -> None:
+        _refuse_empty_policy(path, retention)  # before the store is opened, or created
         super().__init__(path, **options)
         self.retention = retention
 
@@ -76,9 +77,19 @@ class Store(CheckpointStore):
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
         past, another process removing checkpoints throughout) must not make the committed save
         look failed: it warns, and the next save's gc tries again."""
-        if self.retention is not None:
-            try:
-                collect(self, self.retention)
-            except CasError as exc:
-                warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed: {exc}",
-                              RuntimeWarning, stacklevel=2)
+        if self.retention is None:
+            return
+        try:
+            collect(self, self.retention)
+        except CasError as exc:
+            warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed: {exc}",
+                          RuntimeWarning, stacklevel=2)
+
+
+def _refuse_empty_policy(path: str | os.PathLike, retention: Retention | None) -> None:
+    """A retention with no rule removes nothing after a save: asking for one can only be a
+    mistake (a forgotten keyword), so it is refused rather than silently inert."""
+    if retention is not None and not retention.has_rules:
+        raise CasError(f"retention=Retention() for {os.fspath(path)} has no rule, so it would never remove "
+                       "anything; give a rule (e.g. Retention(keep_last=5, keep_milestones=True)) or leave "
+                       "retention out")

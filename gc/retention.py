@@ -1,8 +1,9 @@
 """Retention: which checkpoints to keep, declared once as a small policy object.
 
 A checkpoint is kept when any rule keeps it (union). Pins always win, and the newest
-checkpoint is always kept. The names mirror the CLI flags (`--keep-last 5` is keep_last=5) and
-orbax's CheckpointManager options.
+checkpoint is always kept. A policy with no rule removes nothing (it is not "keep nothing": that
+removed every checkpoint but the newest, milestones included). The names mirror the CLI flags
+(`--keep-last 5` is keep_last=5) and orbax's CheckpointManager options.
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ class Retention:
                 or self.keep_best is not None or self.keep_within is not None)
 
     def decide(self, checkpoints: Iterable, now: _dt.datetime | None = None) -> dict[int, list[str]]:
-        """Step -> the rules that keep it, for every checkpoint; an empty list means remove."""
+        """Step -> the rules that keep it, for every checkpoint; an empty list means remove
+        (never with no rule)."""
         cks = sorted(checkpoints, key=lambda c: c.step)
+        if not self.has_rules:
+            return {ck.step: ["no rule"] for ck in cks}
         now = now or _dt.datetime.now(_dt.timezone.utc)
         reasons: dict[int, list[str]] = {ck.step: [] for ck in cks}
         if self.keep_last:
