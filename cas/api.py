@@ -75,8 +75,9 @@ class Store(CheckpointStore):
 
     def _after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
-        past, another process removing checkpoints throughout) must not make the committed save
-        look failed: it warns, and the next save's gc tries again."""
+        past, another process removing checkpoints throughout, a keep_best metric no checkpoint
+        has logged yet) must not make the committed save look failed: it warns, and the next
+        save's gc tries again."""
         if self.retention is None:
             return
         try:

@@ -130,7 +130,8 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
             progress: Progress | None = None) -> GcReport:
     """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
-    then sweep."""
+    then sweep. A policy refused for these checkpoints (RetentionRefusedError) removes and
+    sweeps nothing."""
     report = GcReport(dry_run=dry_run)
     if retention is not None and not retention.has_rules:
         retention = None
