@@ -75,15 +75,16 @@ class Store(CheckpointStore):
 
     def _after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
-        past, another process removing checkpoints throughout, a keep_best metric no checkpoint
-        has logged yet) must not make the committed save look failed: it warns, and the next
-        save's gc tries again."""
+        past, another process removing checkpoints throughout, a full disk, a keep_best metric
+        no checkpoint has logged yet) must not make the committed save look failed: it warns,
+        and the next save's gc tries again."""
         if self.retention is None:
             return
         try:
             collect(self, self.retention)
-        except CasError as exc:
-            warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed: {exc}",
+        except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
+            warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
+                          f"({type(exc).__name__}: {exc}); the next save's gc tries again",
                           RuntimeWarning, stacklevel=2)
 
 

@@ -104,3 +104,62 @@ def test_retention_after_save_before_the_metric_is_logged_warns_and_removes_noth
             store.save({"w": torch.zeros(8)}, step=3, metrics={"val_loss": 0.5})
             store.save({"w": torch.ones(8)}, step=4, metrics={"val_loss": 0.9})
         assert steps_of(store) == [3, 4]  # the best and the last
+
+
+# --- item 13: a failing retention gc after a commit ------------------------------------------
+@pytest.fixture
+def tiny_fs(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def _fill_disk_when_reached(gate: str, filler: str, free: int) -> threading.Thread:
+    """Once a save pauses at `gate` (its commit done), fill the filesystem but `free` bytes,
+    then let it go on."""
+    def fill_then_release() -> None:
+        while not os.path.exists(gate + ".reached"):
+            threading.Event().wait(0.01)
+        try:
+            with open(filler, "wb", buffering=0) as f:
+                with contextlib.suppress(OSError):
+                    while f.write(b"\0" * 4096):
+                        pass
+                f.truncate(max(f.tell() - free, 0))
+        finally:
+            open(gate, "w").close()
+    thread = threading.Thread(target=fill_then_release, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("free", [0, 48 << 10], ids=["index-write-fails", "pack-rewrite-fails"])
+def test_a_full_disk_in_the_retention_gc_after_a_commit_warns_and_returns_the_checkpoint(tiny_fs, free):
+    """Step 1's pack holds objects step 2 shares, so dropping step 1 rewrites that pack. On a
+    full disk the index's write transaction fails (lmdb.DiskError); with a little space left,
+    the index writes fit and the pack rewrite fails (OSError ENOSPC), which the save reported
+    as 'nothing was committed' though step 2 was."""
+    path, gate, filler = tiny_fs / "s", str(tiny_fs / "gate"), str(tiny_fs / "filler")
+    shared = {f"p{i}": torch.randn(1024) for i in range(24)}  # 4 KiB objects: packed
+    with cas.open(path, chunk_size=64 << 10, retention=Retention(keep_last=1)) as store:
+        store.save({**shared, "own": torch.randn(1024)}, step=1)
+        thread = _fill_disk_when_reached(gate, filler, free)
+        faults.configure(f"save.committed=pause:{gate}")
+        try:
+            with pytest.warns(RuntimeWarning, match="step 2 is committed"):
+                ck = store.save({**shared, "own": torch.randn(1024)}, step=2)
+        finally:
+            faults.configure("")
+            thread.join(10)
+        assert ck.step == 2 and store.exists(2)
+        with pytest.raises(cas.CheckpointExistsError):
+            store.save({"w": torch.zeros(1)}, step=2)
+        os.unlink(filler)  # space is back: the next save's gc catches up
+        store.save({**shared, "own": torch.randn(1024)}, step=3)
+        assert steps_of(store) == [3]
+        assert store.verify().ok
