@@ -370,12 +370,24 @@ def import_folder(store, folder: str | os.PathLike, *, progress: Progress | None
             if progress:
                 progress("import", i, len(files))
     except BaseException as exc:  # all or nothing: the steps imported before the bad file go again
-        if out.checkpoints:
-            store.forget([ck.step for _, ck in out.checkpoints])
-            exc.add_note(f"nothing was imported: the {len(out.checkpoints)} checkpoint(s) imported before it were "
-                         "removed again (their objects are garbage for the next gc)")
+        _take_back(store, [ck.step for _, ck in out.checkpoints], exc)
         raise
     return out
+
+
+def _take_back(store, steps: list[int], exc: BaseException) -> None:
+    """Remove the steps this import committed before `exc` stopped it. Whatever goes wrong
+    here is added to `exc` as a note: the error that stopped the import is the one raised."""
+    if not steps:
+        return
+    try:
+        store.forget([step for step in steps if store.exists(step)])
+    except Exception as undo:  # noqa: BLE001 - reported on the import's own error, never instead of it
+        exc.add_note(f"the {len(steps)} checkpoint(s) imported before it could not all be removed again "
+                     f"({type(undo).__name__}: {undo}); remove steps {steps} with `cas rm`")
+        return
+    exc.add_note(f"nothing was imported: the {len(steps)} checkpoint(s) imported before it were "
+                 "removed again (their objects are garbage for the next gc)")
 
 
 # --- diff -----------------------------------------------------------------------------------

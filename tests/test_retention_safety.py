@@ -163,3 +163,35 @@ def test_a_full_disk_in_the_retention_gc_after_a_commit_warns_and_returns_the_ch
         store.save({**shared, "own": torch.randn(1024)}, step=3)
         assert steps_of(store) == [3]
         assert store.verify().ok
+
+
+# --- item 4: a folder import with retention is all or nothing ---------------------------------
+def _folder(tmp_path, steps=(10, 20, 30), bad: int | None = None):
+    folder = tmp_path / "old_run"
+    folder.mkdir()
+    for step in steps:
+        torch.save({"w": torch.full((16,), float(step))}, folder / f"ckpt-{step}.pt")
+    if bad is not None:
+        (folder / f"ckpt-{bad}.pt").write_bytes(b"not a torch.save file")
+    return folder
+
+
+def test_folder_import_with_retention_refused_changes_nothing(tmp_path):
+    folder = _folder(tmp_path, bad=40)
+    with cas.open(tmp_path / "s", retention=Retention(keep_last=2)) as store:
+        fill(store, (1, 2))
+        with pytest.raises(ImportRefusedError, match="ckpt-40.pt"):
+            store.import_folder(folder)
+        assert steps_of(store) == [1, 2]
+        assert torch.equal(store.load(1)["w"], torch.full((8,), 1.0))
+
+
+def test_folder_import_with_retention_applies_it_once_at_the_end(tmp_path):
+    folder = _folder(tmp_path)
+    with cas.open(tmp_path / "s", retention=Retention(keep_last=2)) as store:
+        fill(store, (1, 2))
+        result = store.import_folder(folder)
+        assert [ck.step for _, ck in result.checkpoints] == [10, 20, 30]
+        assert steps_of(store) == [20, 30]
+        store.save({"w": torch.zeros(8)}, step=31)  # retention after save still applies
+        assert steps_of(store) == [30, 31]
