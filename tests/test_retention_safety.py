@@ -195,3 +195,35 @@ def test_folder_import_with_retention_applies_it_once_at_the_end(tmp_path):
         assert steps_of(store) == [20, 30]
         store.save({"w": torch.zeros(8)}, step=31)  # retention after save still applies
         assert steps_of(store) == [30, 31]
+
+
+# --- item 15e: a killed folder import, run again ---------------------------------------------
+def test_a_killed_folder_import_completes_when_run_again(tmp_path):
+    folder, store = _folder(tmp_path), tmp_path / "s"
+    killed = run("import", folder, store=store, faults="import.file_imported=kill@2")
+    assert killed.returncode == -9, killed.stderr
+    with cas.open(store) as s:
+        assert steps_of(s) == [10, 20]
+    again = run("import", folder, "--json", store=store)
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)
+    assert [c["step"] for c in report["imported"]] == [30]
+    assert [c["step"] for c in report["already_imported"]] == [10, 20]
+    plain = run("import", folder, store=store)
+    assert plain.returncode == 0 and "already imported ckpt-10.pt as step 10" in plain.stdout, plain.stdout
+    with cas.open(store) as s:
+        assert steps_of(s) == [10, 20, 30]
+        for step in (10, 20, 30):
+            assert torch.equal(s.load(step)["w"], torch.full((16,), float(step)))
+
+
+def test_a_rerun_with_a_changed_file_at_a_held_step_is_refused(tmp_path):
+    folder, store = _folder(tmp_path, steps=(10, 20)), tmp_path / "s"
+    assert run("import", folder, store=store).returncode == 0
+    torch.save({"w": torch.zeros(16)}, folder / "ckpt-20.pt")
+    torch.save({"w": torch.zeros(16)}, folder / "ckpt-30.pt")
+    out = run("import", folder, store=store)
+    assert out.returncode == 2 and "20" in out.stderr and "never overwritten" in out.stderr, out.stderr
+    with cas.open(store) as s:
+        assert steps_of(s) == [10, 20]
+        assert torch.equal(s.load(20)["w"], torch.full((16,), 20.0))
