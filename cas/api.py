@@ -6,8 +6,10 @@ module composes them into what `cas.open` returns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from typing import Iterator
 
 from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
@@ -20,8 +22,10 @@ class Store(CheckpointStore):
     applies the policy after every save, like orbax's max_to_keep."""
 
     def __init__(self, path: str | os.PathLike, *, retention: Retention | None = None, **options) -> None:
+        _refuse_empty_policy(path, retention)  # before the store is opened, or created
         super().__init__(path, **options)
         self.retention = retention
+        self._retention_paused = 0
 
     def gc(self, retention: Retention | None = None, *, dry_run: bool = False, progress=None,
            **rules) -> GcReport:
@@ -59,9 +63,26 @@ class Store(CheckpointStore):
 
     def import_folder(self, folder: str | os.PathLike, *,
                       progress: interop.Progress | None = None) -> interop.FolderImport:
-        """Import a folder of checkpoint files, one per step, each step from the file's name."""
+        """Import a folder of checkpoint files, one per step, each step from the file's name.
+        All or nothing: retention waits until every file is in (run after each file, it removed
+        the store's older checkpoints and then the import's own, which a refused file then
+        could not take back), and runs once at the end."""
         self._check_open()
-        return interop.import_folder(self, folder, progress=progress)
+        with self._retention_held():
+            result = interop.import_folder(self, folder, progress=progress)
+        if result.checkpoints:
+            self._after_commit(result.checkpoints[-1][1])
+        return result
+
+    @contextlib.contextmanager
+    def _retention_held(self) -> Iterator[None]:
+        """No retention after the saves inside this block (of any thread of this store; a
+        later save's retention catches up)."""
+        self._retention_paused += 1
+        try:
+            yield
+        finally:
+            self._retention_paused -= 1
 
     def diff(self, a: int, b: int, *, progress: interop.Progress | None = None) -> interop.DiffReport:
         """Per tensor path, what changed from checkpoint `a` to `b`, and the stored bytes they share."""
@@ -76,11 +97,23 @@ class Store(CheckpointStore):
 
     def _after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
-        past, another process removing checkpoints throughout) must not make the committed save
-        look failed: it warns, and the next save's gc tries again."""
-        if self.retention is not None:
-            try:
-                collect(self, self.retention)
-            except CasError as exc:
-                warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed: {exc}",
-                              RuntimeWarning, stacklevel=2)
+        past, another process removing checkpoints throughout, a full disk, a keep_best metric
+        no checkpoint has logged yet) must not make the committed save look failed: it warns,
+        and the next save's gc tries again."""
+        if self.retention is None or self._retention_paused:
+            return
+        try:
+            collect(self, self.retention)
+        except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
+            warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
+                          f"({type(exc).__name__}: {exc}); the next save's gc tries again",
+                          RuntimeWarning, stacklevel=2)
+
+
+def _refuse_empty_policy(path: str | os.PathLike, retention: Retention | None) -> None:
+    """A retention with no rule removes nothing after a save: asking for one can only be a
+    mistake (a forgotten keyword), so it is refused rather than silently inert."""
+    if retention is not None and not retention.has_rules:
+        raise CasError(f"retention=Retention() for {os.fspath(path)} has no rule, so it would never remove "
+                       "anything; give a rule (e.g. Retention(keep_last=5, keep_milestones=True)) or leave "
+                       "retention out")

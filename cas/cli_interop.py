@@ -87,19 +87,25 @@ def cmd_import(store, args) -> int:
         with progress_for(args) as progress:
             if folder:
                 result = store.import_folder(args.path, progress=progress)
-                rows, ignored = result.checkpoints, result.ignored
+                rows, ignored, before = result.checkpoints, result.ignored, result.already_imported
             else:
-                rows, ignored = [(args.path, store.import_file(args.path, step=args.step))], []
+                rows, ignored, before = [(args.path, store.import_file(args.path, step=args.step))], [], []
     except TypeError as exc:  # a value the store cannot hold
         return _usage_error(str(exc))
     if args.json:
-        cli._emit_json({"imported": [dict(ck.to_json(), file=path) for path, ck in rows], "ignored": ignored})
+        cli._emit_json({"imported": _json_rows(rows), "already_imported": _json_rows(before), "ignored": ignored})
         return EXIT_OK
-    _print_imported(rows, ignored)
+    _print_imported(rows, ignored, before)
     return EXIT_OK
 
 
-def _print_imported(rows: list, ignored: list[str]) -> None:
+def _json_rows(rows: list) -> list[dict]:
+    return [dict(ck.to_json(), file=path) for path, ck in rows]
+
+
+def _print_imported(rows: list, ignored: list[str], before: list) -> None:
+    for path, ck in before:  # an earlier import of this folder, interrupted, committed these
+        print(f"already imported {os.path.basename(path)} as step {ck.step} (same values): skipped")
     for path, ck in rows:
         print(f"imported {os.path.basename(path)} as step {ck.step}: {cli.human(ck.logical_bytes)} logical, "
               f"{cli.human(ck.new_bytes)} new on disk")

@@ -132,8 +132,12 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
             progress: Progress | None = None) -> GcReport:
-    """Apply `retention` (None: remove nothing, only sweep garbage), then sweep."""
+    """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
+    then sweep. A policy refused for these checkpoints (RetentionRefusedError) removes and
+    sweeps nothing."""
     report = GcReport(dry_run=dry_run)
+    if retention is not None and not retention.has_rules:
+        retention = None
 
     def choose(cks: list) -> list[int]:
         decisions = retention.decide(cks) if retention is not None else {ck.step: ["kept"] for ck in cks}

@@ -1,8 +1,10 @@
 """Retention: which checkpoints to keep, declared once as a small policy object.
 
 A checkpoint is kept when any rule keeps it (union). Pins always win, and the newest
-checkpoint is always kept. The names mirror the CLI flags (`--keep-last 5` is keep_last=5) and
-orbax's CheckpointManager options.
+checkpoint is always kept. A policy with no rule removes nothing (it is not "keep nothing"), and
+a keep_best whose metric no checkpoint scores is refused: either would otherwise remove every
+checkpoint but the newest, milestones and bests included. The names mirror the CLI flags
+(`--keep-last 5` is keep_last=5) and orbax's CheckpointManager options.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def parse_best(text: str | tuple) -> tuple[str, str, int]:
     return str(metric), mode, count
 
 
+class RetentionRefusedError(CasError):
+    """A policy that cannot be applied safely to these checkpoints; nothing was removed."""
+
+
 @dataclass(frozen=True)
 class Retention:
     keep_last: int | None = None
@@ -73,8 +79,11 @@ class Retention:
         """Step -> the rules that keep it, for every checkpoint; an empty list means remove.
         "Last" and "newest" follow commit order (the record log), not steps: after a rollback
         (step 200 restored, 210 saved after 400), the new line's checkpoints are the last ones,
-        so retention never removes the checkpoint a save just committed."""
+        so retention never removes the checkpoint a save just committed. Raises
+        RetentionRefusedError when keep_best's metric scores no checkpoint."""
         cks = sorted(checkpoints, key=lambda c: (c.seq, c.step))
+        if not self.has_rules:
+            return {ck.step: ["no rule"] for ck in cks}
         now = now or _dt.datetime.now(_dt.timezone.utc)
         reasons: dict[int, list[str]] = {ck.step: [] for ck in cks}
         if self.keep_last:
@@ -82,8 +91,7 @@ class Retention:
                 reasons[ck.step].append(f"last {self.keep_last}")
         if self.keep_best is not None:
             metric, mode, count = self.keep_best
-            scored = [ck for ck in cks if isinstance(ck.metrics.get(metric), (int, float))
-                      and ck.metrics[metric] == ck.metrics[metric]]  # NaN is not a score
+            scored = _scored(cks, metric)
             scored.sort(key=lambda c: (c.metrics[metric] if mode == "min" else -c.metrics[metric], -c.step))
             for ck in scored[:count]:
                 reasons[ck.step].append(f"best {count} {metric} ({mode})")
@@ -100,3 +108,21 @@ class Retention:
         if cks and not reasons[cks[-1].step]:
             reasons[cks[-1].step].append("newest")
         return reasons
+
+
+def _is_score(value) -> bool:
+    """A number keep_best can rank: NaN (a diverged evaluation) is not one."""
+    return isinstance(value, (int, float)) and value == value
+
+
+def _scored(cks: list, metric: str) -> list:
+    """The checkpoints with a score for `metric`. None of them (a misspelt name, or no evaluation
+    logged yet) is refused: ranking nothing would keep no best and remove them all."""
+    scored = [ck for ck in cks if _is_score(ck.metrics.get(metric))]
+    if cks and not scored:
+        present = sorted({name for ck in cks for name in ck.metrics})
+        raise RetentionRefusedError(
+            f"keep_best names the metric {metric!r}, which no checkpoint has a score for (metrics the "
+            f"checkpoints carry: {', '.join(present) or 'none'}); nothing was removed: fix the metric's name, "
+            "or wait until a checkpoint logs it")
+    return scored

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from cas import faults
 from cas.errors import CasError, CorruptionError
 from cas.fsutil import fsync_dir, tmp_name
 
@@ -323,12 +324,14 @@ def import_file(store, path: str | os.PathLike, *, step: int | None = None) -> C
 class FolderImport:
     checkpoints: list[tuple[str, Checkpoint]] = field(default_factory=list)  # (file, checkpoint)
     ignored: list[str] = field(default_factory=list)  # names that are not checkpoint files
+    # (file, checkpoint) of files an earlier, interrupted import of the folder committed already
+    already_imported: list[tuple[str, Checkpoint]] = field(default_factory=list)
 
 
 def plan_folder(store, folder: str) -> tuple[list[tuple[int, str]], list[str]]:
     """((step, file) in step order, ignored names) for a folder of checkpoint files, one per
-    step. Refuses, before anything is imported, files whose step cannot be told, two files with
-    one step, and steps the store holds already."""
+    step. Refuses, before anything is imported, files whose step cannot be told and two files
+    with one step (steps the store holds: see split_imported)."""
     files, ignored, unnumbered = [], [], []
     for name in sorted(os.listdir(folder)):
         full = os.path.join(folder, name)
@@ -344,38 +347,107 @@ def plan_folder(store, folder: str) -> tuple[list[tuple[int, str]], list[str]]:
     if not files:
         raise ImportRefusedError(f"{folder} holds no checkpoint files "
                                  f"({', '.join(SAFETENSORS_SUFFIXES + TORCH_SAVE_SUFFIXES)})")
-    _refuse_step_clashes(store, files)
+    _refuse_step_clashes(files)
     return sorted(files), ignored
 
 
-def _refuse_step_clashes(store, files: list[tuple[int, str]]) -> None:
+def _refuse_step_clashes(files: list[tuple[int, str]]) -> None:
     by_step: dict[int, list[str]] = {}
     for step, path in files:
         by_step.setdefault(step, []).append(os.path.basename(path))
     twice = [names for names in by_step.values() if len(names) > 1]
     if twice:
         raise ImportRefusedError(f"these files give the same step: {'; '.join(', '.join(n) for n in twice)}")
-    held = sorted(step for step in by_step if store.exists(step))
-    if held:
-        raise ImportRefusedError(f"the store already holds steps {held}; steps are never overwritten")
+
+
+def split_imported(store, files: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], list[tuple[str, Checkpoint]]]:
+    """(files to import, (file, checkpoint) of those imported already). A step the store holds
+    counts as imported when its checkpoint came from a file of that name and holds the same
+    values (an import killed half way, run again); any other held step is refused, before
+    anything is imported: steps are never overwritten."""
+    todo, done, clash = [], [], []
+    for step, path in files:
+        if not store.exists(step):
+            todo.append((step, path))
+        elif _imported_from(store, store.get(step), path):
+            done.append((path, store.get(step)))
+        else:
+            clash.append((step, os.path.basename(path)))
+    if clash:
+        raise ImportRefusedError(
+            f"the store already holds steps {[step for step, _ in clash]}, and not as imports of these files "
+            f"({', '.join(name for _, name in clash)}); steps are never overwritten: import into another store, "
+            "or `cas rm` those steps first")
+    return todo, done
+
+
+def _imported_from(store, ck: Checkpoint, path: str) -> bool:
+    """Whether checkpoint `ck` is the import of the file at `path`: its name, format and every
+    value the same (tensors bit for bit, read back with their hashes checked)."""
+    if ck.meta.get("imported_from") != os.path.basename(path) or ck.meta.get("import_format") != file_kind(path):
+        return False
+    state, _ = read_weights_file(path)
+    return same_values(store.load(ck.step), state)
+
+
+def same_values(a, b) -> bool:
+    """Equal structure, keys in order, types, and values; tensors and arrays bit for bit."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape) == (b.dtype, b.shape) and _raw(a) == _raw(b)
+    if isinstance(a, np.ndarray):
+        return (a.dtype, a.shape) == (b.dtype, b.shape) and np.ascontiguousarray(a).tobytes() == \
+            np.ascontiguousarray(b).tobytes()
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return b != b  # NaN
+    return a == b
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in standard layout, compared as bits, not values (NaN equals NaN): viewed
+    as an integer type first, as torch cannot copy some dtypes (float4, bits) into a layout."""
+    t = t.detach().cpu()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    t = (t.view(as_int) if as_int is not None else t).contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def import_folder(store, folder: str | os.PathLike, *, progress: Progress | None = None) -> FolderImport:
-    """Import every checkpoint file of a folder (one file per step, the step from each name)."""
+    """Import every checkpoint file of a folder (one file per step, the step from each name).
+    Files an earlier, interrupted run of the same import committed are skipped (and reported)."""
     files, ignored = plan_folder(store, os.fspath(folder))
-    out = FolderImport(ignored=ignored)
+    todo, done = split_imported(store, files)
+    out = FolderImport(ignored=ignored, already_imported=done)
     try:
-        for i, (step, path) in enumerate(files, 1):
+        for i, (step, path) in enumerate(todo, 1):
             out.checkpoints.append((path, import_file(store, path, step=step)))
+            faults.point("import.file_imported")
             if progress:
-                progress("import", i, len(files))
+                progress("import", i, len(todo))
     except BaseException as exc:  # all or nothing: the steps imported before the bad file go again
-        if out.checkpoints:
-            store.forget([ck.step for _, ck in out.checkpoints])
-            exc.add_note(f"nothing was imported: the {len(out.checkpoints)} checkpoint(s) imported before it were "
-                         "removed again (their objects are garbage for the next gc)")
+        _take_back(store, [ck.step for _, ck in out.checkpoints], exc)
         raise
     return out
+
+
+def _take_back(store, steps: list[int], exc: BaseException) -> None:
+    """Remove the steps this import committed before `exc` stopped it. Whatever goes wrong
+    here is added to `exc` as a note: the error that stopped the import is the one raised."""
+    if not steps:
+        return
+    try:
+        store.forget([step for step in steps if store.exists(step)])
+    except Exception as undo:  # noqa: BLE001 - reported on the import's own error, never instead of it
+        exc.add_note(f"the {len(steps)} checkpoint(s) imported before it could not all be removed again "
+                     f"({type(undo).__name__}: {undo}); remove steps {steps} with `cas rm`")
+        return
+    exc.add_note(f"nothing was imported: the {len(steps)} checkpoint(s) imported before it were "
+                 "removed again (their objects are garbage for the next gc)")
 
 
 # --- diff -----------------------------------------------------------------------------------
