@@ -77,7 +77,8 @@ def _add_show(p) -> None:
 
 def _add_verify(p) -> None:
     p.add_argument("step", type=_step, nargs="?")
-    p.add_argument("--quick", action="store_true", help="check chunks for presence and size only")
+    p.add_argument("--quick", action="store_true",
+                   help="check chunks for presence, size and header only (a damaged payload passes)")
     p.add_argument("--json", action="store_true")
 
 def _add_du(p) -> None:
@@ -155,7 +156,9 @@ def cmd_show(store, args) -> int:
 
 
 
-@command("verify", "check every object of one or all checkpoints against its hash", _add_verify, read_only=True)
+# Opened for writing where it can be (it falls back to read-only by itself): what it finds is
+# recorded in the index, so that saves stop building on it.
+@command("verify", "check every object of one or all checkpoints against its hash", _add_verify)
 def cmd_verify(store, args) -> int:
     with progress_for(args) as progress:
         report = store.verify(args.step, quick=args.quick, progress=progress)
@@ -163,15 +166,32 @@ def cmd_verify(store, args) -> int:
         _emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
                     "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
-                    "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps})
-    else:
-        for p in report.problems:
-            print(f"PROBLEM: {p}")
-        print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
-              f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
-              f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
-              f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+                    "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
+                    "recorded_damaged": report.recorded, "payloads_checked": not report.quick})
+        return EXIT_OK if report.ok else EXIT_PROBLEM
+    for p in report.problems:
+        print(f"PROBLEM: {p}")
+    print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
+          f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
+          f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
+          f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+    for line in _verify_notes(report):
+        print(line)
     return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _verify_notes(report) -> list[str]:
+    """What a verify did not check, and what happens to what it found."""
+    notes = []
+    if report.quick:
+        notes.append("quick: presence, sizes and headers only; a damaged payload passes (run `cas verify` "
+                     "without --quick to decode every object)")
+    if report.recorded:
+        notes.append(f"recorded {len(report.recorded)} damaged objects: saves write them again instead of "
+                     "reusing them")
+    elif not report.ok and report.read_only:
+        notes.append("the store is read-only here: the damage was not recorded, and saves may still reuse it")
+    return notes
 
 
 
