@@ -188,7 +188,7 @@ def _verify_notes(report) -> list[str]:
                      "without --quick to decode every object)")
     if report.recorded:
         notes.append(f"recorded {len(report.recorded)} damaged objects: saves write them again instead of "
-                     "reusing them")
+                     "reusing them; `cas repair` moves them to quarantine/")
     elif not report.ok and report.read_only:
         notes.append("the store is read-only here: the damage was not recorded, and saves may still reuse it")
     return notes
@@ -272,11 +272,12 @@ def cmd_gc(store, args) -> int:
 
 
 
-@command("repair", "rebuild the index and registry from the objects on disk (run with no writers)",
-         opens_store=False)
+@command("repair", "quarantine damaged objects, then rebuild the index and registry from the objects "
+         "on disk (run with no writers)", opens_store=False)
 def cmd_repair(path: str, args) -> int:
     from .store.repair import repair
 
+    _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
     report = repair(path)
     if report.moved_aside:
         print(f"the damaged index was moved to {report.moved_aside}")
@@ -286,6 +287,21 @@ def cmd_repair(path: str, args) -> int:
           f"{len(report.checkpoints)} checkpoints {report.checkpoints}")
     print("run `cas verify` to check every checkpoint")
     return EXIT_OK
+
+
+def _quarantine(path: str) -> None:
+    """Move the objects verify or a load found damaged to quarantine/ and report them; an index
+    that does not open is the rebuild's to handle (its damage records go with it)."""
+    from .store.quarantine import quarantine_damaged
+
+    try:
+        report = quarantine_damaged(path)
+    except (CasError, OSError) as exc:
+        print(f"skipped the quarantine of damaged objects: {exc}")
+        return
+    for item in report.moved:
+        where = item.moved_to or "nothing left on disk; its index record dropped"
+        print(f"quarantined: object {item.key} ({item.reason}) -> {where}")
 
 
 @command("milestone", "mark a checkpoint as a milestone (or --unset)", _add_milestone)

@@ -200,6 +200,52 @@ def test_a_reused_delta_whose_base_is_damaged_is_written_again(tmp_path):
         assert_same(store.load(2), {"w": w + 1e-4})  # the fresh copies took the deltas' place
 
 
+def test_cas_repair_quarantines_damaged_objects_and_gc_keeps_them(tmp_path, state):
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as store:
+        store.save(state, step=1)
+        key = _chunk(store, 1, "w", 1)
+        file = store.objects.files.path(key)
+    _flip(file)
+    damaged_bytes = open(file, "rb").read()
+    out = _cas("verify", store=path)
+    assert out.returncode == 1 and "repair" in out.stdout, out.stdout
+    out = _cas("repair", store=path)
+    assert out.returncode == 0, out.stderr
+    assert "quarantined" in out.stdout and key.hex() in out.stdout
+    moved = os.path.join(path, "quarantine", key.hex())
+    assert not os.path.exists(file) and open(moved, "rb").read() == damaged_bytes
+    assert _cas("gc", "--keep-all", store=path).returncode == 0
+    assert os.path.exists(moved)  # gc never sweeps quarantine/
+    with cas.open(path) as store:
+        assert store.objects.record(key) is None
+        assert store.verify().damaged_steps == [1]  # the step still lacks that chunk...
+        store.save(state, step=2)  # ...until a save holds it again
+        assert_same(store.load(1), state)
+        assert store.verify().ok and _damaged(store) == {}
+    assert _cas("repair", store=path).returncode == 0
+    assert os.path.exists(moved)
+
+
+def test_repair_quarantines_a_damaged_pack_entry_as_a_copy(tmp_path, state):
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as store:
+        store.save(state, step=1)
+        commit = store._commit(store.get(1))
+        node_key = store._node(commit["tree"].key, 1)["v"]["b"].key
+        rec = store.objects.record(node_key)
+        pack = store.objects.packs.path(rec.pack)
+    _flip(pack, rec.offset + rec.stored_size - 2)
+    assert _cas("verify", store=path).returncode == 1
+    out = _cas("repair", store=path)
+    assert out.returncode == 0 and node_key.hex() in out.stdout, out.stdout
+    assert os.path.getsize(os.path.join(path, "quarantine", node_key.hex())) == rec.stored_size
+    assert os.path.exists(pack)  # the pack holds other live objects
+    with cas.open(path) as store:
+        store.save(state, step=2)
+        assert_same(store.load(1), state)
+
+
 def test_a_store_without_the_damaged_table_opens_read_only(tmp_path, state):
     path = tmp_path / "s"
     with cas.open(path) as store:
