@@ -144,9 +144,11 @@ def _clear_damage(store, keys) -> None:
     """Drop the damage records of objects that a full verify decoded whole."""
     if store.readonly:
         return
-    with store.index.write() as txn:
-        if store.index.any_damaged(txn):
-            for key in keys:
+    with store.index.read() as txn:
+        recorded = [key for key in keys if store.index.damaged(txn, key) is not None]
+    if recorded:  # a verify of a sound store writes nothing
+        with store.index.write() as txn:
+            for key in recorded:
                 store.index.clear_damaged(txn, key)
 
 
