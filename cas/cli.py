@@ -77,7 +77,8 @@ def _add_show(p) -> None:
 
 def _add_verify(p) -> None:
     p.add_argument("step", type=_step, nargs="?")
-    p.add_argument("--quick", action="store_true", help="check chunks for presence and size only")
+    p.add_argument("--quick", action="store_true",
+                   help="check chunks for presence, size and header only (a damaged payload passes)")
     p.add_argument("--json", action="store_true")
 
 def _add_du(p) -> None:
@@ -155,7 +156,9 @@ def cmd_show(store, args) -> int:
 
 
 
-@command("verify", "check every object of one or all checkpoints against its hash", _add_verify, read_only=True)
+# Opened for writing where it can be (it falls back to read-only by itself): what it finds is
+# recorded in the index, so that saves stop building on it.
+@command("verify", "check every object of one or all checkpoints against its hash", _add_verify)
 def cmd_verify(store, args) -> int:
     with progress_for(args) as progress:
         report = store.verify(args.step, quick=args.quick, progress=progress)
@@ -163,15 +166,32 @@ def cmd_verify(store, args) -> int:
         _emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
                     "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
-                    "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps})
-    else:
-        for p in report.problems:
-            print(f"PROBLEM: {p}")
-        print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
-              f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
-              f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
-              f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+                    "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
+                    "recorded_damaged": report.recorded, "payloads_checked": not report.quick})
+        return EXIT_OK if report.ok else EXIT_PROBLEM
+    for p in report.problems:
+        print(f"PROBLEM: {p}")
+    print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
+          f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
+          f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
+          f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+    for line in _verify_notes(report):
+        print(line)
     return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def _verify_notes(report) -> list[str]:
+    """What a verify did not check, and what happens to what it found."""
+    notes = []
+    if report.quick:
+        notes.append("quick: presence, sizes and headers only; a damaged payload passes (run `cas verify` "
+                     "without --quick to decode every object)")
+    if report.recorded:
+        notes.append(f"recorded {len(report.recorded)} damaged objects: saves write them again instead of "
+                     "reusing them; `cas repair` moves them to quarantine/")
+    elif not report.ok and report.read_only:
+        notes.append("the store is read-only here: the damage was not recorded, and saves may still reuse it")
+    return notes
 
 
 
@@ -254,11 +274,12 @@ def cmd_gc(store, args) -> int:
 
 
 
-@command("repair", "rebuild the index and registry from the objects on disk (run with no writers)",
-         opens_store=False)
+@command("repair", "quarantine damaged objects, then rebuild the index and registry from the objects "
+         "on disk (run with no writers)", opens_store=False)
 def cmd_repair(path: str, args) -> int:
     from .store.repair import repair
 
+    _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
     report = repair(path)
     if report.moved_aside:
         print(f"the damaged index was moved to {report.moved_aside}")
@@ -268,6 +289,21 @@ def cmd_repair(path: str, args) -> int:
           f"{len(report.checkpoints)} checkpoints {report.checkpoints}")
     print("run `cas verify` to check every checkpoint")
     return EXIT_OK
+
+
+def _quarantine(path: str) -> None:
+    """Move the objects verify or a load found damaged to quarantine/ and report them; an index
+    that does not open is the rebuild's to handle (its damage records go with it)."""
+    from .store.quarantine import quarantine_damaged
+
+    try:
+        report = quarantine_damaged(path)
+    except (CasError, OSError) as exc:
+        print(f"skipped the quarantine of damaged objects: {exc}")
+        return
+    for item in report.moved:
+        where = item.moved_to or "nothing left on disk; its index record dropped"
+        print(f"quarantined: object {item.key} ({item.reason}) -> {where}")
 
 
 @command("milestone", "mark a checkpoint as a milestone (or --unset)", _add_milestone)

@@ -13,6 +13,7 @@ Tables (see docs/format.md, "Index"):
   leases   lease id -> msgpack        writers in progress (pid, host, start time)
   holds    lease id + key -> b""      objects an in-progress writer references
   meta     name -> value              counters (the commit generation)
+  damaged  key -> msgpack             objects found damaged (reason, found, by): saves do not reuse them
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _RECORD = struct.Struct("<BBQQ")  # where, flags, stored (encoded) size, raw siz
 _PACK_LOC = struct.Struct("<32sQ")  # pack key, offset of the encoded object in it
 LEASE_ID_SIZE = 16
 _TABLES = ("objects", "leases", "holds", "meta")
+# Tables added after stores were first written: a read-only open of an older store goes without.
+_LATER_TABLES = ("damaged",)
 DEFAULT_MAP_SIZE = 1 << 40  # address space only: the file grows as data is written
 
 
@@ -221,14 +224,15 @@ class Index:
         self.readonly = readonly
         self.env, handles = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
         self.tables = {}
-        for name in _TABLES + tuple(extra_tables) + tuple(optional_tables):
+        optional = _LATER_TABLES + tuple(optional_tables)
+        for name in _TABLES + tuple(extra_tables) + optional:
             try:
                 with _envs_lock:
                     if name not in handles:  # the environment's first Index opens each table once
                         handles[name] = self.env.open_db(name.encode(), create=not readonly)
                     self.tables[name] = handles[name]
             except lmdb.NotFoundError:
-                if name in optional_tables and readonly:
+                if name in optional and readonly:
                     continue
                 _release_env(path)
                 raise CasError(f"the store index at {path} has no table {name!r}; `cas repair` rebuilds it") from None
@@ -304,6 +308,32 @@ class Index:
 
     def held_keys(self, txn) -> set[bytes]:
         return {bytes(k[LEASE_ID_SIZE:LEASE_ID_SIZE + KEY_SIZE]) for k in txn.cursor(db=self.tables["holds"]).iternext(values=False)}
+
+    # --- damage found (a cache of findings: if lost, the next verify finds them again) -----
+    def any_damaged(self, txn) -> bool:
+        """Whether any object is recorded as damaged (the common answer, no, costs one lookup)."""
+        db = self.tables.get("damaged")
+        return db is not None and txn.stat(db)["entries"] > 0
+
+    def damaged(self, txn, key: bytes) -> dict | None:
+        """The damage record of an object: {"reason", "found" (UNIX time), "by"}, or None."""
+        db = self.tables.get("damaged")
+        raw = txn.get(key, db=db) if db is not None else None
+        return msgpack.unpackb(raw) if raw is not None else None
+
+    def iter_damaged(self, txn) -> Iterator[tuple[bytes, dict]]:
+        db = self.tables.get("damaged")
+        for key, raw in txn.cursor(db=db) if db is not None else ():
+            yield bytes(key), msgpack.unpackb(raw)
+
+    def mark_damaged(self, txn, key: bytes, reason: str, by: str) -> None:
+        self.put_damaged(txn, key, {"reason": reason, "found": time.time(), "by": by})
+
+    def put_damaged(self, txn, key: bytes, info: dict) -> None:
+        txn.put(key, msgpack.packb(info), db=self.tables["damaged"])
+
+    def clear_damaged(self, txn, key: bytes) -> None:
+        txn.delete(key, db=self.tables["damaged"])
 
     # --- counters ------------------------------------------------------------------------
     def generation(self, txn) -> int:

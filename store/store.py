@@ -38,7 +38,7 @@ from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
 from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
 from .values import check_texts, checked_text, numpy_dtype, pack
-from .verify import VerifyReport, verify_checkpoints
+from .verify import VerifyReport, record_damage, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
@@ -610,20 +610,22 @@ class Store:
         """Load the checkpoint's state (the top-level `keys` only, when given). `into`: per
         top-level entry, {tensor path: the caller's tensor to decode into} (restore); kept per
         entry because flat dotted paths of two entries can coincide ("model" holding "ema",
-        and an entry named "model.ema")."""
-        value = self._top_value(ck)
-        if keys is not None:
-            value = _select(value, keys, ck.step)
-        jobs: list = []
-        if into and isinstance(value, dict):
-            state = {k: walk_value(v, lambda ref, path, own=into.get(k, {}):
-                                   self._materialize(ref, path, ck.step, jobs, own), str(k))
-                     for k, v in value.items()}
-        else:
-            state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, {}))
+        and an entry named "model.ema"). A damaged object it meets is recorded in the index
+        before the CorruptionError is raised, so the next save writes it again."""
         try:
+            value = self._top_value(ck)
+            if keys is not None:
+                value = _select(value, keys, ck.step)
+            jobs: list = []
+            if into and isinstance(value, dict):
+                state = {k: walk_value(v, lambda ref, path, own=into.get(k, {}):
+                                       self._materialize(ref, path, ck.step, jobs, own), str(k))
+                         for k, v in value.items()}
+            else:
+                state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, {}))
             pipeline.read_tensor_chunks(self.objects, jobs, self._read_pool, window=4 * self._workers)
         except CorruptionError as exc:
+            record_damage(self, [exc.key], f"load of step {ck.step}")
             raise exc.located(step=ck.step) from None
         return state
 
@@ -733,8 +735,10 @@ class Store:
     # --- inspection ---------------------------------------------------------------------
     def verify(self, step: int | None = None, *, quick: bool = False, progress=None) -> VerifyReport:
         """Decode every object of one checkpoint (or all) and check it against its hash; with
-        quick=True check chunks for presence and size only. `progress(phase, done, total)` is
-        called once per checkpoint."""
+        quick=True check chunks for presence, size and header only (a damaged payload passes).
+        What it finds is recorded in the index, so saves write those objects again and
+        `cas repair` quarantines them. `progress(phase, done, total)` is called once per
+        checkpoint."""
         self._check_open()
         cks = [self._resolve(step)] if step is not None else self.checkpoints()
         return verify_checkpoints(self, cks, quick=quick, progress=progress)

@@ -2,16 +2,25 @@
 
 Full: every object (manifest nodes, chunks, delta bases) is read, decoded and checked against
 its hash. Quick: manifest nodes are still decoded (they are small and needed to walk the tree),
-but chunks are only checked for presence and size, for a fast daily check. Each object is
-checked once however many checkpoints share it; each problem names the object and every
-checkpoint and tensor path that depends on it.
+but chunks are only checked for presence, size and a header that parses and agrees with the
+index (one 64-byte read each), for a fast daily check: it cannot see a damaged payload. Each
+object is checked once however many checkpoints share it; each problem names the object and
+every checkpoint and tensor path that depends on it.
+
+What a check finds is recorded in the index's `damaged` table (record_damage), where the write
+path sees it: a save then writes such an object again instead of reusing it or coding a delta
+against it, and `cas repair` quarantines it (store/quarantine.py). A full verify that decodes
+an object whole clears its record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cas.errors import CorruptionError, MissingObjectError
+import lmdb
+
+from cas.codecs import parse_header
+from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
 
@@ -34,6 +43,8 @@ class VerifyReport:
     checked_objects: int = 0
     checked_bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    recorded: list[str] = field(default_factory=list)  # objects now recorded as damaged (hex keys)
+    read_only: bool = False  # the store was open read-only: nothing could be recorded
 
     @property
     def ok(self) -> bool:
@@ -50,7 +61,8 @@ class VerifyReport:
 
 
 def check_present(objects, key: bytes, _depth: int = 0) -> int:
-    """Presence and size of an object, and of its delta bases, from the index, without reading it."""
+    """Presence, size and header of an object, and of its delta bases, from the index, without
+    reading its payload."""
     rec = objects.record(key)
     if rec is None:
         raise MissingObjectError("object is not in the index", key=key.hex())
@@ -66,6 +78,7 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
             raise MissingObjectError("object file is missing", key=key.hex())
         if size != rec.stored_size:
             raise CorruptionError(f"object file has {size} bytes, the index says {rec.stored_size}", key=key.hex())
+    check_header(objects, key, rec)
     if rec.base is not None and _depth < MAX_CHAIN_DECODE:
         try:
             check_present(objects, rec.base, _depth + 1)
@@ -74,8 +87,73 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
     return rec.raw_size
 
 
+def check_header(objects, key: bytes, rec) -> None:
+    """The object's header parses and says what its index record says (raw size, delta base):
+    one small read, which finds a damaged header but not a damaged payload."""
+    if rec.where == WHERE_PACK:
+        head = objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
+    else:
+        head = objects.files.head(key, 64)
+    header = parse_header(head, key=key)
+    if (header.raw_size, header.base) != (rec.raw_size, rec.base):
+        raise CorruptionError(f"object header says {header.raw_size} raw bytes and delta base "
+                              f"{header.base.hex() if header.base else None}, the index {rec.raw_size} and "
+                              f"{rec.base.hex() if rec.base else None}", key=key.hex())
+
+
+def locate_damage(objects, key: bytes) -> tuple[bytes, CorruptionError] | None:
+    """The object that makes `key` unreadable, with its error: the lowest level of its chain
+    that does not decode (a delta is unreadable when its base is, and the error then names the
+    delta), or None when it reads whole now (a transient error, or a node of the wrong kind)."""
+    try:
+        chain = objects.chain(key)
+    except CorruptionError as exc:  # a cycle of bases
+        return key, exc
+    decoded: dict = {}
+    for i in reversed(range(len(chain))):
+        try:
+            decoded = {chain[i]: objects.get(chain[i], chain=chain[i:], decoded=decoded)}
+        except CorruptionError as exc:
+            return chain[i], exc
+    return None
+
+
+def record_damage(store, keys, by: str) -> list[str]:
+    """Record in the index the objects that make these indexed objects (hex keys, as errors
+    name them) unreadable, `by` naming who found it; returns the hex keys recorded. A finding
+    that cannot be recorded (a read-only store, an index error) is dropped: the next verify
+    finds it again, and the caller's own error stands."""
+    if store.readonly:
+        return []
+    try:
+        found = {}
+        for key in map(bytes.fromhex, dict.fromkeys(k for k in keys if k)):
+            located = locate_damage(store.objects, key) if store.objects.record(key) is not None else None
+            if located is not None:
+                found[located[0]] = located[1].detail
+        if found:
+            with store.index.write() as txn:
+                for key, reason in found.items():
+                    store.index.mark_damaged(txn, key, reason, by)
+        return [key.hex() for key in found]
+    except (CasError, OSError, ValueError, lmdb.Error):
+        return []
+
+
+def _clear_damage(store, keys) -> None:
+    """Drop the damage records of objects that a full verify decoded whole."""
+    if store.readonly:
+        return
+    with store.index.read() as txn:
+        recorded = [key for key in keys if store.index.damaged(txn, key) is not None]
+    if recorded:  # a verify of a sound store writes nothing
+        with store.index.write() as txn:
+            for key in recorded:
+                store.index.clear_damaged(txn, key)
+
+
 def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
-    report = VerifyReport(quick=quick)
+    report = VerifyReport(quick=quick, read_only=store.readonly)
     verdict: dict[bytes, CorruptionError | None] = {}
 
     def check(key: bytes) -> CorruptionError | None:
@@ -101,4 +179,7 @@ def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None
                         report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
         except CorruptionError as exc:  # a manifest node is damaged: the rest of this tree is unreachable
             report.problems.append(Problem(exc.key, ck.step, exc.path, exc.detail + "; the checkpoint cannot be read"))
+    if not quick:
+        _clear_damage(store, [key for key, err in verdict.items() if err is None])
+    report.recorded = record_damage(store, [p.key for p in report.problems], "verify --quick" if quick else "verify")
     return report

@@ -1,0 +1,259 @@
+"""Saves never build on an object known to be damaged, and `cas repair` quarantines it.
+
+A flipped payload byte keeps a file's size, so presence checks pass. Once verify or a failed
+load has found it, the next save writes the object again (and its commit puts the fresh copy
+in the damaged one's place), delta saves code nothing against it, and `cas repair` moves it to
+quarantine/. Real stores, real files, real CLI processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lmdb
+import pytest
+import torch
+
+import cas
+from cas.index import WHERE_PACK
+from helpers import assert_same
+
+CAS = [sys.executable, "-m", "cas.cli"]
+
+
+def _cas(*args, store):
+    return subprocess.run(CAS + ["--store", str(store)] + [str(a) for a in args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _flip(path: str, offset: int | None = None) -> None:
+    """Flip one byte of a file in place (the middle of its payload by default): its size stays."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        where = len(data) // 2 if offset is None else offset
+        data[where] ^= 0x01
+        f.seek(0)
+        f.write(data)
+
+
+def _chunk(store, step: int, path: str, i: int = 0) -> bytes:
+    return next(t for t in store.tensors(step) if t["path"] == path)["chunks"][i]
+
+
+def _damaged(store) -> dict[bytes, dict]:
+    with store.index.read() as txn:
+        return dict(store.index.iter_damaged(txn))
+
+
+def _chain(store, key: bytes) -> list[bytes]:
+    return store.objects.chain(key)
+
+
+@pytest.fixture
+def state():
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(16, 1024, generator=g)}  # 4 + 1 files
+
+
+def test_a_save_after_verify_writes_a_damaged_chunk_again_and_heals_the_store(store, state):
+    store.save(state, step=1)
+    key = _chunk(store, 1, "w")
+    _flip(store.objects.files.path(key))
+    report = store.verify()
+    assert report.damaged_steps == [1]
+    ck = store.save(state, step=2)  # the same chunks: before the fix it reused the damaged one
+    assert_same(store.load(2), state)
+    assert ck.new_bytes > store.objects.record(key).stored_size  # written again (before: the nodes only)
+    assert_same(store.load(1), state)  # the fresh copy took the damaged one's place
+    assert report.recorded == [key.hex()]
+    assert store.verify().ok and _damaged(store) == {}
+
+
+def test_a_failed_load_records_the_damaged_chunk(store, state):
+    store.save(state, step=1)
+    key = _chunk(store, 1, "w", 2)
+    _flip(store.objects.files.path(key))
+    with pytest.raises(cas.CorruptionError, match=key.hex()):
+        store.load(1)
+    store.save(state, step=2)
+    assert_same(store.load(2), state)
+    assert_same(store.load(1), state)
+    assert _damaged(store) == {}
+
+
+def test_a_failed_restore_records_the_damaged_chunk(store):
+    model = torch.nn.Linear(1024, 64)
+    store.save({"model": model}, step=1)
+    key = _chunk(store, 1, "model.weight")
+    _flip(store.objects.files.path(key))
+    with pytest.raises(cas.CorruptionError):
+        store.restore({"model": torch.nn.Linear(1024, 64)})
+    store.save({"model": model}, step=2)
+    fresh = torch.nn.Linear(1024, 64)
+    store.restore({"model": fresh}, step=1)
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_the_damage_record_names_the_damaged_object_and_who_found_it(store, state):
+    store.save(state, step=1)
+    key = _chunk(store, 1, "w", 2)
+    _flip(store.objects.files.path(key))
+    with pytest.raises(cas.CorruptionError):
+        store.load(1)
+    info = _damaged(store)[key]
+    assert info["by"] == "load of step 1" and "hash" in info["reason"] and info["found"] > 0
+    store.verify()
+    assert _damaged(store)[key]["by"] == "verify"
+
+
+def test_a_damaged_manifest_node_in_a_pack_is_written_again(store, state):
+    store.save(state, step=1)
+    commit = store._commit(store.get(1))
+    tree = store._node(commit["tree"].key, 1)
+    node_key = tree["v"]["w"].key  # the tensor node of "w", a small object in a pack
+    rec = store.objects.record(node_key)
+    assert rec.where == WHERE_PACK
+    _flip(store.objects.packs.path(rec.pack), rec.offset + rec.stored_size - 2)
+    assert not store.verify().ok
+    store.save(state, step=2)  # the same tensor node: written again into this save's pack
+    assert_same(store.load(2), state)
+    assert store.objects.record(node_key).pack != rec.pack
+    assert_same(store.load(1), state)
+    assert store.verify().ok
+
+
+def test_quick_verify_finds_a_damaged_header_and_says_it_cannot_see_payloads(store, state):
+    store.save(state, step=1)
+    payload, header = _chunk(store, 1, "w", 0), _chunk(store, 1, "w", 1)
+    _flip(store.objects.files.path(payload))
+    _flip(store.objects.files.path(header), 0)  # the object magic
+    report = store.verify(quick=True)
+    assert [p.key for p in report.problems] == [header.hex()]  # the payload damage is not visible
+    out = _cas("verify", "--quick", store=store.path)
+    assert out.returncode == 1 and "payload" in out.stdout, out.stdout
+    store.save(state, step=2)
+    with pytest.raises(cas.CorruptionError, match=payload.hex()):  # never recorded: still reused
+        store.load(2)
+    store.save(state, step=3)
+    assert_same(store.load(3), state)  # the failed load recorded it; step 3 wrote it again
+    assert_same(store.load(2), state)  # step 2 wrote the header-damaged one again
+
+
+@pytest.mark.parametrize("offset", [0, 4, 14], ids=["magic", "format", "stage"])
+def test_a_save_does_not_reuse_a_file_whose_header_is_damaged(store, state, offset):
+    store.save(state, step=1)
+    key = _chunk(store, 1, "w", 3)
+    _flip(store.objects.files.path(key), offset)  # found by no verify, no load: the reuse check reads it
+    store.save(state, step=2)
+    assert_same(store.load(2), state)
+    assert_same(store.load(1), state)
+
+
+def test_delta_saves_code_nothing_against_a_damaged_base_kept_in_memory(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+        store.save({"w": w}, step=1)
+        base = _chunk(store, 1, "w")
+        _flip(store.objects.files.path(base))
+        assert not store.verify().ok
+        w2 = w + 1e-4
+        store.save({"w": w2}, step=2)  # step 1's bytes are in memory: before the fix, coded against them
+        assert all(base not in _chain(store, k) for t in store.tensors(2) for k in t["chunks"])
+        assert_same(store.load(2), {"w": w2})
+
+
+def test_delta_saves_code_nothing_against_a_delta_whose_base_is_damaged(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w + 1e-4}, step=2)
+        base, delta = _chunk(store, 1, "w"), _chunk(store, 2, "w")
+        assert store.objects.record(delta).base == base
+        _flip(store.objects.files.path(base))
+        with pytest.raises(cas.CorruptionError):
+            store.load(2)
+        w3 = w + 2e-4
+        store.save({"w": w3}, step=3)  # the in-memory base is step 2's delta, whose chain is rotten
+        assert_same(store.load(3), {"w": w3})
+        assert all(base not in _chain(store, k) for t in store.tensors(3) for k in t["chunks"])
+        assert set(_damaged(store)) == {base}  # the damaged level, not the delta above it
+
+
+def test_a_reused_delta_whose_base_is_damaged_is_written_again(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024)
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+        store.save({"w": w}, step=1)
+        store.save({"w": w + 1e-4}, step=2)
+        base = _chunk(store, 1, "w")
+    with cas.open(path, delta=True) as store:  # a restarted run: nothing in memory
+        _flip(store.objects.files.path(base))
+        assert store.verify().damaged_steps == [1, 2]
+        store.delete(1)
+        store.save({"w": w + 1e-4}, step=3)  # step 2's chunks again: their chains reach the damage
+        assert_same(store.load(3), {"w": w + 1e-4})
+        assert_same(store.load(2), {"w": w + 1e-4})  # the fresh copies took the deltas' place
+
+
+def test_cas_repair_quarantines_damaged_objects_and_gc_keeps_them(tmp_path, state):
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as store:
+        store.save(state, step=1)
+        key = _chunk(store, 1, "w", 1)
+        file = store.objects.files.path(key)
+    _flip(file)
+    damaged_bytes = open(file, "rb").read()
+    out = _cas("verify", store=path)
+    assert out.returncode == 1 and "repair" in out.stdout, out.stdout
+    out = _cas("repair", store=path)
+    assert out.returncode == 0, out.stderr
+    assert "quarantined" in out.stdout and key.hex() in out.stdout
+    moved = os.path.join(path, "quarantine", key.hex())
+    assert not os.path.exists(file) and open(moved, "rb").read() == damaged_bytes
+    assert _cas("gc", "--keep-all", store=path).returncode == 0
+    assert os.path.exists(moved)  # gc never sweeps quarantine/
+    with cas.open(path) as store:
+        assert store.objects.record(key) is None
+        assert store.verify().damaged_steps == [1]  # the step still lacks that chunk...
+        store.save(state, step=2)  # ...until a save holds it again
+        assert_same(store.load(1), state)
+        assert store.verify().ok and _damaged(store) == {}
+    assert _cas("repair", store=path).returncode == 0
+    assert os.path.exists(moved)
+
+
+def test_repair_quarantines_a_damaged_pack_entry_as_a_copy(tmp_path, state):
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as store:
+        store.save(state, step=1)
+        commit = store._commit(store.get(1))
+        node_key = store._node(commit["tree"].key, 1)["v"]["b"].key
+        rec = store.objects.record(node_key)
+        pack = store.objects.packs.path(rec.pack)
+    _flip(pack, rec.offset + rec.stored_size - 2)
+    assert _cas("verify", store=path).returncode == 1
+    out = _cas("repair", store=path)
+    assert out.returncode == 0 and node_key.hex() in out.stdout, out.stdout
+    assert os.path.getsize(os.path.join(path, "quarantine", node_key.hex())) == rec.stored_size
+    assert os.path.exists(pack)  # the pack holds other live objects
+    with cas.open(path) as store:
+        store.save(state, step=2)
+        assert_same(store.load(1), state)
+
+
+def test_a_store_without_the_damaged_table_opens_read_only(tmp_path, state):
+    path = tmp_path / "s"
+    with cas.open(path) as store:
+        store.save(state, step=1)
+    env = lmdb.open(str(path / "index"), max_dbs=16)  # as a store written before the table existed
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"damaged", txn=txn), delete=True)
+    env.close()
+    with cas.open(path, readonly=True) as store:
+        assert_same(store.load(1), state)
+        assert store.verify().ok
