@@ -12,7 +12,8 @@ import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
                      FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
-                     StateMismatchError, StoreClosedError, StoreWriteError)
+                     RetentionRefusedError, StateMismatchError, StoreClosedError, StoreWriteError,
+                     UnsupportedFilesystemError)
 
 from .api import Store
 from .gc import GcReport, Retention
@@ -35,4 +36,5 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 
 __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
-           "StateMismatchError", "StoreClosedError", "StoreWriteError", "open"]
+           "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
+           "UnsupportedFilesystemError", "open"]

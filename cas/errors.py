@@ -48,6 +48,10 @@ class UnsupportedFilesystemError(StoreWriteError):
     (neither renameat2 RENAME_NOREPLACE nor hard links): writes are refused rather than raced."""
 
 
+class RetentionRefusedError(CasError):
+    """A policy that cannot be applied safely to these checkpoints; nothing was removed."""
+
+
 class StoreClosedError(CasError):
     """The store was used after close()."""
 

@@ -89,21 +89,30 @@ def _owner_token(directory: str) -> str:
         return token
 
 
-def owner_alive(directory: str, host: str, pid: int, token: str) -> bool | None:
-    """Whether the process that owns temporary files under `token` still runs: True while its
-    owner file is locked, False once the lock can be taken, None when there is no owner file
-    (it cannot be judged, so its files are left alone)."""
+def lock_held(path: str) -> bool | None:
+    """Whether some live process holds the exclusive flock on the file at `path`: True while it
+    does, False once the lock can be taken (the kernel drops it with its holder, however the
+    holder dies, in whatever PID namespace it ran), None when there is no such file."""
     try:
-        fd = os.open(owner_file(directory, host, pid, token), os.O_RDONLY | os.O_NOFOLLOW)
-    except (FileNotFoundError, OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock if we took it
     return False
+
+
+def owner_alive(directory: str, host: str, pid: int, token: str) -> bool | None:
+    """Whether the process that owns temporary files under `token` still runs (lock_held on its
+    owner file; None when there is none: it cannot be judged, so its files are left alone)."""
+    try:
+        return lock_held(owner_file(directory, host, pid, token))
+    except OSError:
+        return None
 
 
 def write_parts(fd: int, parts) -> int:

@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .backend import Capabilities
 from .errors import CasError, MissingObjectError
-from .fsutil import fsync_dir, name_new, unlink_quietly, write_tmp
+from .fsutil import fsync_dir, lock_held, name_new, unlink_quietly, write_tmp
 
 MAX_BLOB = 1 << 30  # log entries and leases are small; a larger file is not one of ours
 
@@ -124,17 +124,7 @@ class LocalBackend:
         return FileLease(name, path, fd)
 
     def lease_alive(self, name: str) -> bool | None:
-        try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # releases the lock if we took it
-        return False
+        return lock_held(self._path(name))
 
     def _ensure_dir(self, directory: str) -> None:
         if directory not in self._made:

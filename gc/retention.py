@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from cas.errors import CasError
+from cas.errors import CasError, RetentionRefusedError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -47,8 +47,6 @@ def parse_best(text: str | tuple) -> tuple[str, str, int]:
     return str(metric), mode, count
 
 
-class RetentionRefusedError(CasError):
-    """A policy that cannot be applied safely to these checkpoints; nothing was removed."""
 
 
 @dataclass(frozen=True)
