@@ -334,8 +334,9 @@ class Store:
         try:
             return self._write_objects(job)
         except (OSError, StoreWriteError) as exc:
-            raise StoreWriteError(f"saving step {job.step} into {self.path} failed, nothing was committed: "
-                                  f"{getattr(exc, 'strerror', None) or exc}") from exc
+            kind = type(exc) if isinstance(exc, StoreWriteError) else StoreWriteError  # keep what it says
+            raise kind(f"saving step {job.step} into {self.path} failed, nothing was committed: "
+                       f"{getattr(exc, 'strerror', None) or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
         if not self.delta:

@@ -405,7 +405,7 @@ def test_a_failed_save_leaves_the_next_linear_delta_correct(tmp_path):
     with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
         for step in range(3):
             store.save({"w": states[step]}, step=step)
-        faults.configure("commit.in_txn=raise")
+        faults.configure("commit.synced=raise")  # before its record log entry: nothing is committed
         try:
             with pytest.raises(faults.InjectedFault):
                 store.save({"w": states[3]}, step=3)
