@@ -214,6 +214,9 @@ class Store:
         looked at is raised here."""
         if self._closed:
             return
+        if os.getpid() != self._pid:  # a forked child's copy: its threads and LMDB are the parent's
+            self._closed = True
+            return
         concurrent.futures.wait(list(self._inflight))
         try:
             self._raise_unobserved()
@@ -238,6 +241,7 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"the store at {self.path} is closed")
+        _checked_process(self._pid, self.path)  # a forked child has none of the pools' threads
 
     # --- save ---------------------------------------------------------------------------
     def save(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,

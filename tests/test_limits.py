@@ -224,14 +224,18 @@ def test_a_forked_child_is_refused_instead_of_hanging(tmp_path):
         pid = os.fork()
     if pid == 0:  # the child: report and leave without running any of the parent's cleanup
         code = 0
-        for call in ("save", "save_async"):
+        calls = {"save": lambda: store.save({"w": torch.zeros(3)}, step=3),
+                 "save_async": lambda: store.save_async({"w": torch.zeros(3)}, step=3),
+                 "load": lambda: store.load(1), "restore": lambda: store.restore({"w": torch.zeros(1000)})}
+        for call, run in calls.items():
             try:
-                getattr(store, call)({"w": torch.zeros(3)}, step=3)
+                run()
                 code |= 1
             except CasError as exc:
                 os.write(write, f"{call}: {exc}\n".encode())
             except BaseException:  # noqa: BLE001 - any other outcome fails the test
                 code |= 2
+        store.close()  # a no-op in the child: never waits on the parent's threads
         os._exit(code)
     os.close(write)
     deadline = time.monotonic() + 60
@@ -243,11 +247,11 @@ def test_a_forked_child_is_refused_instead_of_hanging(tmp_path):
     else:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        pytest.fail("the forked child hung in save")
+        pytest.fail("the forked child hung in save or load")
     with os.fdopen(read) as pipe:
         report = pipe.read()
     assert os.waitstatus_to_exitcode(status) == 0, report
-    assert report.count(f"opened in process {os.getpid()}") == 2 and "open the store again" in report.lower()
+    assert report.count(f"opened in process {os.getpid()}") == 4 and "open the store again" in report.lower()
     store.save({"w": torch.zeros(3)}, step=3)  # the parent's store is untouched
     assert [ck.step for ck in store.checkpoints()] == [1, 2, 3]
     store.close()
