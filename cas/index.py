@@ -85,7 +85,8 @@ class ObjectRecord:
         return cls(where, stored, raw, pack, offset, base, depth)
 
 
-_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}, snapshot dir]
+_envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}, snapshot dir,
+#                                          identity of its data.mdb]
 _envs_lock = threading.Lock()
 _META = struct.Struct("<Q8xI20xI100xQ")  # an LMDB meta page: pgno, magic, page size, txnid (64-bit layout)
 _LMDB_MAGIC = 0xBEEFC0DE
@@ -102,6 +103,8 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
     real = os.path.realpath(path)
     with _envs_lock:
         entry = _envs.get(real)
+        if entry is not None and entry[4] is None and entry[5] != file_identity(path):
+            entry = None  # the index files were deleted or replaced under it: those are other files now
         if entry is not None:
             if entry[1] and not readonly:
                 raise CasError(f"the store index at {path} is already open read-only in this process; "
@@ -109,10 +112,20 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
             entry[2] += 1
         else:
             env, snapshot = _open_env(path, readonly=readonly, create=create, map_size=map_size)
-            entry = _envs[real] = [env, readonly, 1, {}, snapshot]
+            entry = _envs[real] = [env, readonly, 1, {}, snapshot, file_identity(path)]
     if not readonly:
         reader_check(entry[0])
-    return entry[0], entry[3]
+    return entry
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of an environment's data file: changes when the index files are
+    deleted and made again, or another copy is put in their place."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _open_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tuple[lmdb.Environment, str | None]:
@@ -199,15 +212,13 @@ def _pin_meta(data: str, slot: int, psize: int) -> None:
         f.write(page)
 
 
-def _release_env(path: str) -> None:
+def _release_env(path: str, entry: list) -> None:
     real = os.path.realpath(path)
     with _envs_lock:
-        entry = _envs.get(real)
-        if entry is None:
-            return
         entry[2] -= 1
         if entry[2] == 0:
-            del _envs[real]
+            if _envs.get(real) is entry:
+                del _envs[real]
             entry[0].close()
             if entry[4] is not None:
                 shutil.rmtree(entry[4], ignore_errors=True)
@@ -222,7 +233,8 @@ class Index:
         they existed goes without them."""
         self.path = path
         self.readonly = readonly
-        self.env, handles = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
+        self._entry = _shared_env(path, readonly=readonly, create=create, map_size=map_size)
+        self.env, handles = self._entry[0], self._entry[3]
         self.tables = {}
         optional = _LATER_TABLES + tuple(optional_tables)
         for name in _TABLES + tuple(extra_tables) + optional:
@@ -234,15 +246,21 @@ class Index:
             except lmdb.NotFoundError:
                 if name in optional and readonly:
                     continue
-                _release_env(path)
+                _release_env(path, self._entry)
                 raise CasError(f"the store index at {path} has no table {name!r}; `cas repair` rebuilds it") from None
             except lmdb.Error as exc:
-                _release_env(path)
+                _release_env(path, self._entry)
                 raise CasError(f"the store index at {path} cannot open table {name!r} ({exc}): it is damaged "
                                "or was written by another program; `cas repair` rebuilds it") from None
 
     def close(self) -> None:
-        _release_env(self.path)
+        _release_env(self.path, self._entry)
+
+    def orphaned(self) -> bool:
+        """Whether the files at this index's path are no longer the ones this environment has
+        open (deleted, or another copy put in their place, while this process ran): its changes
+        then reach no other process, and the cache at the path is another one."""
+        return self._entry[4] is None and self._entry[5] != file_identity(self.path)
 
     def reader_check(self) -> int:
         """Free dead processes' reader slots (see reader_check); gc calls it as it starts repacking."""

@@ -141,6 +141,8 @@ class ObjectStore:
         self.codec = codec
         self.pack_max = pack_max
         self.backend = backend  # where writers' leases live (None: leases in the index alone)
+        self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
+        self.sessions_lock = threading.Lock()
 
     def record(self, key: bytes) -> ObjectRecord | None:
         with self.index.read() as txn:
@@ -210,7 +212,17 @@ class ObjectStore:
         return parse_header(self.fetch(key), key=key).codec_name
 
     def session(self, purpose: str) -> "WriteSession":
-        return WriteSession(self, purpose)
+        with self.sessions_lock:
+            self.open_sessions += 1
+        try:
+            return WriteSession(self, purpose)
+        except BaseException:
+            self.session_ended()
+            raise
+
+    def session_ended(self) -> None:
+        with self.sessions_lock:
+            self.open_sessions -= 1
 
 
 class WriteSession:
@@ -518,6 +530,7 @@ class WriteSession:
             faults.point("commit.in_txn")
         self._open = False
         self._release_lease_file()
+        self.store.session_ended()
         self.store.files.discard([(tmp, key) for key, tmp in replacements.items()])  # the index's stayed
         self._staged = []
         return result
@@ -527,6 +540,7 @@ class WriteSession:
         if not self._open:
             return
         self._open = False
+        self.store.session_ended()
         self.store.files.discard(self._staged)
         try:
             with self.index.write() as txn:

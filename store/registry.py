@@ -204,6 +204,10 @@ class Registry:
                 faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind
                 self.set_head(txn, entry.seq, entry.digest)
                 return entry.seq
+            if self.index.orphaned():  # its changes reach nobody: refolding here would only race the others
+                raise StoreWriteError(f"the index of the store at {self.store_root} was deleted or replaced while "
+                                      "this process had it open, and another process committed since; nothing of "
+                                      "this change was committed (the store's next save opens the index again)")
             self.rebuild(txn)  # undoes what apply() wrote, and folds in the other writer's entry
         raise StoreWriteError(f"the record log of the store at {self.store_root} kept moving: {APPEND_ATTEMPTS} "
                               "other writers committed while this one tried; nothing was committed")

@@ -118,6 +118,7 @@ class Store:
         self.readonly = readonly or not _writable(self.layout)
         self.backend = LocalBackend(self.path, self.layout.tmp)
         self.records = RecordLog(self.backend, self.path)
+        self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._open_cache()
         self.objects = ObjectStore(self.index, FileObjects(self.layout.objects, self.layout.tmp),
                                    PackFiles(self.layout.packs, self.layout.tmp),
@@ -196,15 +197,33 @@ class Store:
         cache.rebuild(self, txn, self.cache_report)
 
     def ensure_cache(self) -> None:
-        """Re-check the cache against the store (gc does before it marks)."""
+        """Re-check the cache against the store (gc does before it marks, each save before it
+        plans)."""
+        self._reopen_if_orphaned()
         if self.registry.log is not None:
             cache.ensure_current(self, self.cache_report)
+
+    def _reopen_if_orphaned(self) -> None:
+        """When the index files were deleted or replaced while this store was open, open the
+        index now at the path (rebuilding it if it must), so this process's changes reach the
+        others again; done only while no write session of this store is open (one that is ends
+        on the old index, whose commit then fails, nothing committed). The old environment is
+        closed with the store."""
+        with self.objects.sessions_lock:
+            if self._private_cache is not None or self.objects.open_sessions or not self.index.orphaned():
+                return
+            self._old_indexes.append(self.index)
+            self._open_cache()
+            self.objects.index = self.index
+            self._check_cache()
 
     def cache_is_stale(self, txn) -> bool:
         """Whether the cache no longer matches the store (inside the caller's transaction)."""
         return self.registry.log is not None and cache.why_stale(self, txn) is not None
 
     def _close_cache(self) -> None:
+        for old in self._old_indexes:
+            old.close()
         self.index.close()
         cache.drop_private(self._private_cache)
 
@@ -318,6 +337,7 @@ class Store:
         step_key(step)  # type-checks the step before any work
         metrics = _checked_metrics(metrics)
         meta = _checked_meta(meta)
+        self._reopen_if_orphaned()
         if step in self._inflight_steps or (self.exists(step) and not replacing):
             raise exists_error(step)
         skeleton, leaves = plan(resolve_stateful(state), chunk_size=self.chunk_size)
