@@ -103,6 +103,10 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     report = report or RebuildReport()
     t0 = time.perf_counter()
     index = store.index
+    # The log first: every entry's objects were durable before the entry was created, so a scan
+    # made after reading the entries finds all of them (scanning first missed the objects of an
+    # entry another cache committed meanwhile, and the cache called itself current without them).
+    entries = list(store.records.entries())
     try:
         old = dict(index.iter_records(txn))
     except CasError:  # a damaged record: choose among the copies on disk alone
@@ -117,7 +121,7 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
         index.put_record(txn, key, rec)
     store.registry.clear(txn)
     faults.point("cache.rebuilding")  # a kill here aborts the transaction: the cache stays as it was
-    seq, digest = store.registry.fold(txn, store.records.entries())
+    seq, digest = store.registry.fold(txn, entries)
     store.registry.set_head(txn, seq, digest)
     txn.put(b"store_id", store.config.store_id.encode(), db=index.db("meta"))
     index.bump_generation(txn)

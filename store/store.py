@@ -756,6 +756,7 @@ class Store:
         self._check_open()
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; cannot {what}")
+        self._reopen_if_orphaned()
 
     # --- inspection ---------------------------------------------------------------------
     def verify(self, step: int | None = None, *, quick: bool = False, progress=None) -> VerifyReport:
