@@ -12,7 +12,6 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import zstandard

@@ -14,6 +14,7 @@ into a private temporary cache and changes nothing in the store.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import os
 import shutil
 import tempfile
@@ -23,12 +24,13 @@ from dataclasses import dataclass, field
 from cas import faults
 from cas.codecs import decode_into, parse_header
 from cas.errors import CasError, CorruptionError
+from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from cas.objectstore import MAX_CHAIN_DECODE
 
 from . import layout as L
 from .records import entry_name
-from .registry import ORDER_TABLE, TABLE, TABLES, add_change
+from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
 
 
@@ -41,9 +43,6 @@ class RebuildReport:
     moved_aside: str | None = None  # where a damaged index was put
     reason: str | None = None  # why the cache was rebuilt
     seconds: float = 0.0
-
-
-CACHE_TABLES = TABLES
 
 
 def open_index(layout: L.Layout, *, readonly: bool, report: RebuildReport) -> tuple[Index, str | None]:
@@ -60,12 +59,12 @@ def open_index(layout: L.Layout, *, readonly: bool, report: RebuildReport) -> tu
         report.moved_aside = f"{layout.index}.damaged-{int(time.time())}-{os.getpid()}"
         os.rename(layout.index, report.moved_aside)
     os.makedirs(layout.index, exist_ok=True)
-    return Index(layout.index, create=True, extra_tables=CACHE_TABLES), None
+    return Index(layout.index, create=True, extra_tables=TABLES), None
 
 
 def private_index() -> tuple[Index, str]:
     folder = tempfile.mkdtemp(prefix="cas-cache-")
-    return Index(folder, create=True, extra_tables=CACHE_TABLES), folder
+    return Index(folder, create=True, extra_tables=TABLES), folder
 
 
 def drop_private(folder: str | None) -> None:
@@ -88,7 +87,6 @@ def why_stale(store, txn) -> str | None:
             data = backend.get(entry_name(seq))
         except CasError:
             return f"the index has record log entry {seq}, which the store does not (an index of a later state?)"
-        from cas.hashing import hash_bytes
         if hash_bytes(data) != digest:
             return f"record log entry {seq} is not the one the index folded in"
     if store.records.exists(seq + 1):
@@ -276,10 +274,7 @@ def migrate_v1(store, report: RebuildReport) -> None:
     report.reason = report.reason or "format 1 upgraded to format 2"
 
 
-def _checkpoints_from_commits(store, report: RebuildReport) -> list:
-    import datetime as _dt
-
-    from .registry import Checkpoint
+def _checkpoints_from_commits(store, report: RebuildReport) -> list[Checkpoint]:
     commits: list = []
     _scan_packs(store.objects.packs, {}, report, check=False, commits=commits)
     newest: dict[int, tuple[bytes, dict]] = {}

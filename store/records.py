@@ -142,7 +142,7 @@ class RecordLog:
         last = self.last_seq()
         for seq in range(after + 1, last + 1):
             entry = self.read(seq)
-            if entry.prev != prev and not (seq == 1 and entry.prev is None):
+            if entry.prev != prev:  # entry 1 follows nothing (prev None)
                 raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} does not "
                                       "follow the entry before it (an entry was lost, replaced or reordered)")
             prev = entry.digest
