@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -74,3 +75,53 @@ def test_saves_commit_beside_a_busy_process_on_a_deleted_index(tmp_path):
     with cas.open(path, **OPTS) as store:  # nothing is lost: a refused save committed nothing
         assert [ck.step for ck in store.checkpoints()] == [s for s in range(21) if s not in refused]
     assert refused == []
+
+
+SAVER = """
+import os, sys, time, torch, cas
+path, go = sys.argv[1], sys.argv[2]
+with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as s:
+    s.checkpoints()
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    g = torch.Generator().manual_seed(2)
+    s.save({"big": torch.randn(64, 1024, generator=g), "small": torch.arange(2, 302)}, step=2)
+    print("saved", flush=True)
+"""
+
+
+def _state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"big": torch.randn(64, 1024, generator=g), "small": torch.arange(step, step + 300)}
+
+
+@pytest.mark.xfail(strict=True, reason="found by the soak (seed 22: a gc failed 'a manifest node is unreadable "
+                   "(object file is missing)' right after an index deletion): a rebuild scans the packs and object "
+                   "files, then folds the record log; a process still on the deleted index commits in between, "
+                   "and the new cache holds that checkpoint without its objects' records and calls itself "
+                   "current: the checkpoint does not load, verify calls it damaged and gc refuses, until `cas repair`")
+def test_a_commit_during_a_rebuild_by_a_process_on_the_deleted_index_loads(tmp_path):
+    path, flag, go = tmp_path / "s", str(tmp_path / "flag"), str(tmp_path / "go")
+    with cas.open(path, **OPTS) as store:
+        store.save(_state(1), step=1)
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(path), go], stdout=subprocess.PIPE, text=True)
+    assert saver.stdout.readline().strip() == "ready"  # its LMDB environment is the index below
+    for name in ("data.mdb", "lock.mdb"):
+        os.unlink(path / "index" / name)
+    opener = subprocess.Popen([sys.executable, "-c", f"import cas; cas.open({str(path)!r}).close()"],
+                              env=dict(os.environ, CAS_FAULTS=f"cache.rebuilding=pause:{flag}"))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag + ".reached"):  # the opener has scanned the objects, not yet the log
+        assert time.monotonic() < deadline and opener.poll() is None
+        time.sleep(0.01)
+    open(go, "w").close()
+    assert saver.stdout.readline().strip() == "saved"
+    assert saver.wait(timeout=120) == 0
+    open(flag, "w").close()
+    assert opener.wait(timeout=120) == 0
+    with cas.open(path, **OPTS) as store:  # the rebuilt cache is current: nothing rebuilds it again
+        loaded = store.load(2)  # MissingObjectError: object file is missing (checkpoint step 2, ...)
+        assert torch.equal(loaded["big"], _state(2)["big"]) and torch.equal(loaded["small"], _state(2)["small"])
+        assert store.verify().ok
+        store.gc()
