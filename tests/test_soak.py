@@ -43,7 +43,10 @@ with cas.open(sys.argv[1], chunk_size=64 << 10, pack_max=16 << 10) as s:
     print("ready", flush=True)
     n, deadline = 0, time.monotonic() + float(sys.argv[2])
     while time.monotonic() < deadline:
-        s.set_pinned(0, n % 2 == 0)  # a commit (one record log entry) as often as it can
+        try:
+            s.set_pinned(0, n % 2 == 0)  # a commit (one record log entry) as often as it can
+        except cas.StoreWriteError:  # it loses the same race at times: go on
+            pass
         n += 1
 """
 
@@ -56,24 +59,27 @@ def test_saves_commit_beside_a_busy_process_on_a_deleted_index(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, **OPTS) as store:
         store.save({"t": torch.zeros(4)}, step=0)
-    child = subprocess.Popen([sys.executable, "-c", FLIPPER, str(path), "60"], stdout=subprocess.PIPE, text=True)
+    children = [subprocess.Popen([sys.executable, "-c", FLIPPER, str(path), "90"], stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
     try:
-        assert child.stdout.readline().strip() == "ready"
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
         for name in ("data.mdb", "lock.mdb"):  # the cache files go while the child has them open
             os.unlink(path / "index" / name)
         refused = []
         with cas.open(path, **OPTS) as store:  # rebuilds a new index beside the child's
-            for step in range(1, 21):
+            for step in range(1, 9):
                 try:
                     store.save({"t": torch.full((4,), float(step))}, step=step)
                 except cas.StoreWriteError as exc:
                     assert "kept moving" in str(exc)
                     refused.append(step)
     finally:
-        child.kill()
-        child.wait()
+        for child in children:
+            child.kill()
+            child.wait()
     with cas.open(path, **OPTS) as store:  # nothing is lost: a refused save committed nothing
-        assert [ck.step for ck in store.checkpoints()] == [s for s in range(21) if s not in refused]
+        assert [ck.step for ck in store.checkpoints()] == [s for s in range(9) if s not in refused]
     assert refused == []
 
 
