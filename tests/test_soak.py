@@ -1,0 +1,133 @@
+"""The randomized multi-process soak (tests/soak.py), short, with a fixed seed; and what it found."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import cas
+
+SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
+OPTS = dict(chunk_size=64 << 10, pack_max=16 << 10)
+
+
+def test_soak_loses_no_committed_checkpoint(tmp_path):
+    """Four writers (plain, delta, async, async with deltas), a collider re-saving pinned steps, a
+    gc loop with random retention, verify, repair and index deletions; random SIGKILLs and fault
+    points; checked once half way and at the end. About 45 s of soak plus the checks."""
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, SOAK, "--seconds", "40", "--seed", "3", "--store", str(tmp_path / "s"),
+                           "--check-every", "20", "--kill-every", "2.5", "--no-index-deletions", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["lost"] == 0, figures["lost_detail"]
+    assert figures["verify_ok"] and figures["exactly_reachable"], figures["problems"]
+    assert figures["collisions_committed"] == 0
+    assert not figures["failures"], [(f["process"], f["tail"]) for f in figures["failures"]]
+    assert figures["checkpoints_checked"] > 0 and figures["kills"] > 0
+    assert sum(figures["saves"].values()) > 0
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+FLIPPER = """
+import sys, time, cas
+with cas.open(sys.argv[1], chunk_size=64 << 10, pack_max=16 << 10) as s:
+    s.checkpoints()
+    print("ready", flush=True)
+    n, deadline = 0, time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < deadline:
+        try:
+            s.set_pinned(0, n % 2 == 0)  # a commit (one record log entry) as often as it can
+        except cas.StoreWriteError:  # it loses the same race at times: go on
+            pass
+        n += 1
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="found by the soak: after index/*.mdb is deleted under a running process, "
+                   "that process and the ones opening afterwards hold two LMDB environments; their commits "
+                   "race on the record log alone, and a save (or a retention gc) that loses 5 rounds in a row "
+                   "fails with StoreWriteError 'the record log ... kept moving', nothing committed")
+def test_saves_commit_beside_a_busy_process_on_a_deleted_index(tmp_path):
+    path = tmp_path / "s"
+    with cas.open(path, **OPTS) as store:
+        store.save({"t": torch.zeros(4)}, step=0)
+    children = [subprocess.Popen([sys.executable, "-c", FLIPPER, str(path), "90"], stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        for name in ("data.mdb", "lock.mdb"):  # the cache files go while the child has them open
+            os.unlink(path / "index" / name)
+        refused = []
+        with cas.open(path, **OPTS) as store:  # rebuilds a new index beside the child's
+            for step in range(1, 9):
+                try:
+                    store.save({"t": torch.full((4,), float(step))}, step=step)
+                except cas.StoreWriteError as exc:
+                    assert "kept moving" in str(exc)
+                    refused.append(step)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    with cas.open(path, **OPTS) as store:  # nothing is lost: a refused save committed nothing
+        assert [ck.step for ck in store.checkpoints()] == [s for s in range(9) if s not in refused]
+    assert refused == []
+
+
+SAVER = """
+import os, sys, time, torch, cas
+path, go = sys.argv[1], sys.argv[2]
+with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as s:
+    s.checkpoints()
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    g = torch.Generator().manual_seed(2)
+    s.save({"big": torch.randn(64, 1024, generator=g), "small": torch.arange(2, 302)}, step=2)
+    print("saved", flush=True)
+"""
+
+
+def _state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"big": torch.randn(64, 1024, generator=g), "small": torch.arange(step, step + 300)}
+
+
+@pytest.mark.xfail(strict=True, reason="found by the soak (seed 22: a gc failed 'a manifest node is unreadable "
+                   "(object file is missing)' right after an index deletion): a rebuild scans the packs and object "
+                   "files, then folds the record log; a process still on the deleted index commits in between, "
+                   "and the new cache holds that checkpoint without its objects' records and calls itself "
+                   "current: the checkpoint does not load, verify calls it damaged and gc refuses, until `cas repair`")
+def test_a_commit_during_a_rebuild_by_a_process_on_the_deleted_index_loads(tmp_path):
+    path, flag, go = tmp_path / "s", str(tmp_path / "flag"), str(tmp_path / "go")
+    with cas.open(path, **OPTS) as store:
+        store.save(_state(1), step=1)
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(path), go], stdout=subprocess.PIPE, text=True)
+    assert saver.stdout.readline().strip() == "ready"  # its LMDB environment is the index below
+    for name in ("data.mdb", "lock.mdb"):
+        os.unlink(path / "index" / name)
+    opener = subprocess.Popen([sys.executable, "-c", f"import cas; cas.open({str(path)!r}).close()"],
+                              env=dict(os.environ, CAS_FAULTS=f"cache.rebuilding=pause:{flag}"))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag + ".reached"):  # the opener has scanned the objects, not yet the log
+        assert time.monotonic() < deadline and opener.poll() is None
+        time.sleep(0.01)
+    open(go, "w").close()
+    assert saver.stdout.readline().strip() == "saved"
+    assert saver.wait(timeout=120) == 0
+    open(flag, "w").close()
+    assert opener.wait(timeout=120) == 0
+    with cas.open(path, **OPTS) as store:  # the rebuilt cache is current: nothing rebuilds it again
+        loaded = store.load(2)  # MissingObjectError: object file is missing (checkpoint step 2, ...)
+        assert torch.equal(loaded["big"], _state(2)["big"]) and torch.equal(loaded["small"], _state(2)["small"])
+        assert store.verify().ok
+        store.gc()
