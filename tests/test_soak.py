@@ -51,11 +51,11 @@ with cas.open(sys.argv[1], chunk_size=64 << 10, pack_max=16 << 10) as s:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="found by the soak: after index/*.mdb is deleted under a running process, "
-                   "that process and the ones opening afterwards hold two LMDB environments; their commits "
-                   "race on the record log alone, and a save (or a retention gc) that loses 5 rounds in a row "
-                   "fails with StoreWriteError 'the record log ... kept moving', nothing committed")
 def test_saves_commit_beside_a_busy_process_on_a_deleted_index(tmp_path):
+    """Found by the soak: after index/*.mdb is deleted under running processes, those and the
+    ones opening afterwards held two LMDB environments whose commits raced on the record log
+    alone, and saves beside a busy process failed with "the record log ... kept moving". A process
+    on an orphaned index now opens the index at the path again before its next change."""
     path = tmp_path / "s"
     with cas.open(path, **OPTS) as store:
         store.save({"t": torch.zeros(4)}, step=0)
@@ -102,12 +102,11 @@ def _state(step):
     return {"big": torch.randn(64, 1024, generator=g), "small": torch.arange(step, step + 300)}
 
 
-@pytest.mark.xfail(strict=True, reason="found by the soak (seed 22: a gc failed 'a manifest node is unreadable "
-                   "(object file is missing)' right after an index deletion): a rebuild scans the packs and object "
-                   "files, then folds the record log; a process still on the deleted index commits in between, "
-                   "and the new cache holds that checkpoint without its objects' records and calls itself "
-                   "current: the checkpoint does not load, verify calls it damaged and gc refuses, until `cas repair`")
 def test_a_commit_during_a_rebuild_by_a_process_on_the_deleted_index_loads(tmp_path):
+    """Found by the soak (seed 22): a rebuild scanned the objects, then folded the record log; a
+    process still on the deleted index committed in between, and the new cache held that
+    checkpoint without its objects yet called itself current (unloadable until `cas repair`).
+    The rebuild now reads the log first: every entry's objects were durable before it."""
     path, flag, go = tmp_path / "s", str(tmp_path / "flag"), str(tmp_path / "go")
     with cas.open(path, **OPTS) as store:
         store.save(_state(1), step=1)
