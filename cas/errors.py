@@ -91,3 +91,7 @@ class CorruptionError(CasError):
 
 class MissingObjectError(CorruptionError):
     """An object that a checkpoint references is not in the store."""
+
+
+class BlobAbsentError(MissingObjectError):
+    """A backend has no blob under the name asked for (as opposed to one it cannot read)."""

@@ -1,52 +1,46 @@
-"""Content-named files fanned out as <root>/ab/ab12…: the shared layout of objects and packs."""
+"""Content names fanned out as <prefix>/ab/ab12…: the shared naming of objects and packs.
+
+Blob names, not paths: a backend (cas.localfs) decides where a name lives. Two-digit folders
+keep any one directory (or listing page) small.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 from .errors import CasError
 from .hashing import KEY_SIZE, to_hex
 
 
-class FanoutDir:
-    """Files named by 64 hex digits under two-digit folders, so no directory grows huge."""
+class Fanout:
+    """Keys as blob names `<prefix>/<first two hex digits>/<64 hex digits>` in a backend."""
 
-    def __init__(self, root: str, tmp_dir: str) -> None:
-        self.root = root
-        self.tmp_dir = tmp_dir
+    def __init__(self, backend, prefix: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
 
-    def path(self, key: bytes) -> str:
+    def name(self, key: bytes) -> str:
         if len(key) != KEY_SIZE:
             raise CasError(f"a key must be {KEY_SIZE} bytes, got {len(key)}")
-        name = to_hex(key)
-        return os.path.join(self.root, name[:2], name)
+        hexed = to_hex(key)
+        return f"{self.prefix}/{hexed[:2]}/{hexed}"
+
+    def path(self, key: bytes) -> str:
+        """The key's file, for a local backend only (tests and tools damage or inspect files)."""
+        return self.backend.path(self.name(key))
 
     def size(self, key: bytes) -> int | None:
-        """The file's size, or None when it is absent."""
-        try:
-            return os.stat(self.path(key)).st_size
-        except FileNotFoundError:
-            return None
+        """The blob's size, or None when it is absent."""
+        return self.backend.stat(self.name(key))
 
-    def unlink(self, key: bytes) -> bool:
-        try:
-            os.unlink(self.path(key))
-        except FileNotFoundError:
-            return False
-        return True
-
-    def names(self) -> Iterator[bytes]:
-        """Every key present; names that are not ours (wrong length, not hex) are skipped."""
-        if not os.path.isdir(self.root):
-            return
-        for fan in sorted(os.listdir(self.root)):
-            folder = os.path.join(self.root, fan)
-            if len(fan) != 2 or not os.path.isdir(folder):
-                continue
-            for name in os.listdir(folder):
-                if len(name) == 2 * KEY_SIZE and name.startswith(fan):
-                    try:
-                        yield bytes.fromhex(name)
-                    except ValueError:
-                        continue
+    def iterate(self) -> Iterator[bytes]:
+        """Every key present; names that are not ours (wrong length, not hex, wrong folder) are
+        skipped."""
+        start = len(self.prefix) + 1
+        for name in self.backend.list(self.prefix + "/"):
+            fan, _, hexed = name[start:].partition("/")
+            if len(fan) == 2 and len(hexed) == 2 * KEY_SIZE and hexed.startswith(fan):
+                try:
+                    yield bytes.fromhex(hexed)
+                except ValueError:
+                    continue

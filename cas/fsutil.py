@@ -115,6 +115,17 @@ def owner_alive(directory: str, host: str, pid: int, token: str) -> bool | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_parts(fd: int, parts) -> int:
     """Write every bytes-like part fully (os.write may write less than asked)."""
     total = 0

@@ -28,10 +28,9 @@ import numpy as np
 from . import faults
 from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError
-from .fsutil import fsync_dir, read_head, unlink_quietly
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
-from .backend import Backend
-from .objects import ObjectBackend
+from .backend import Backend, Staged
+from .objects import FileObjects
 from .packs import PACK_TARGET, PackFiles
 
 T = TypeVar("T")
@@ -133,7 +132,7 @@ def begin_lease(backend: Backend | None, lease: bytes, purpose: str):
 
 
 class ObjectStore:
-    def __init__(self, index: Index, files: ObjectBackend, packs: PackFiles, codec: CodecPolicy,
+    def __init__(self, index: Index, files: FileObjects, packs: PackFiles, codec: CodecPolicy,
                  pack_max: int = DEFAULT_PACK_MAX, backend: Backend | None = None) -> None:
         self.index = index
         self.files = files
@@ -242,7 +241,7 @@ class WriteSession:
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
-        self._staged: list = []  # object files written, published (fsync, rename) at commit
+        self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._lock = threading.Lock()
         self._open = True
         # The lease file first (its lock is what proves this writer alive to gc, in any PID
@@ -405,7 +404,7 @@ class WriteSession:
                 _, raw_size, base, depth = pending[key]
                 self._written[key] = ObjectRecord(WHERE_PACK, length, raw_size, pack, offset, base, depth)
 
-    def adopt(self, key: bytes, replacement: str | None = None) -> int:
+    def adopt(self, key: bytes, replacement: Staged | None = None) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot
         touch LMDB); returns its stored size. An object the index holds keeps its record and its
         file (other checkpoints decode through them: a save never changes either). `replacement`
@@ -419,13 +418,13 @@ class WriteSession:
             held = self.index.record(txn, key)
         if held is not None and self._holds(key, held):
             if replacement is not None:
-                unlink_quietly(replacement)
+                self.store.files.discard([replacement])
             return held.stored_size
         if replacement is not None:
             try:
-                size, header = os.path.getsize(replacement), read_head(replacement, 64)
-            except OSError as exc:
-                raise MissingObjectError(f"a distributed writer's replacement file cannot be read: {exc}",
+                size, header = self.store.files.peek(replacement, 64)
+            except MissingObjectError as exc:
+                raise MissingObjectError(f"a distributed writer's replacement file cannot be read: {exc.detail}",
                                          key=key.hex()) from None
         else:
             size = self.store.files.has(key)
@@ -438,11 +437,11 @@ class WriteSession:
         with self._lock:
             if key in self._written:
                 if replacement is not None:
-                    unlink_quietly(replacement)
+                    self.store.files.discard([replacement])
                 return size
             self._written[key] = rec
             if replacement is not None:
-                self._staged.append((replacement, key))
+                self._staged.append(replacement)
         return size
 
     def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
@@ -509,7 +508,7 @@ class WriteSession:
         self._staged = taken  # discarded by abort() if the commit fails
         self.store.files.sync()
         faults.point("commit.synced")
-        replacements = {key: tmp for tmp, key in taken}
+        replacements = {FileObjects.key_of(staged): staged for staged in taken}
         with self.index.write() as txn:
             settled = []
             for key, rec in self._written.items():
@@ -522,8 +521,7 @@ class WriteSession:
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:
                 if key in replacements:
-                    self.store.files.publish([(replacements.pop(key), key)], fsync=False)
-                    fsync_dir(os.path.dirname(self.store.files.path(key)))
+                    self.store.files.replace(replacements.pop(key))  # durable when it returns
                 self.index.put_record(txn, key, chosen)
             self.index.end_lease(txn, self.lease)
             self.index.bump_generation(txn)
@@ -531,7 +529,7 @@ class WriteSession:
         self._open = False
         self._release_lease_file()
         self.store.session_ended()
-        self.store.files.discard([(tmp, key) for key, tmp in replacements.items()])  # the index's stayed
+        self.store.files.discard(list(replacements.values()))  # the index's stayed
         self._staged = []
         return result
 

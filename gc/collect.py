@@ -16,7 +16,6 @@ See docs/architecture.md, "Garbage collection and concurrent saves".
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Callable
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
-from cas.fsutil import OWNER_PREFIX, host_tag, owner_alive, owner_file, tmp_owner, unlink_quietly
+from cas.fsutil import pid_alive
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER
@@ -291,7 +290,8 @@ def compact_packs(store, report: GcReport) -> None:
                 rewrite[pack] = live
     plans = {pack: _repack_sizes(store, pack, live) for pack, live in rewrite.items()}
     while plans:
-        free = _free_bytes(packs.root)
+        free = store.backend.free_bytes()
+        free = float("inf") if free is None else free
         fitting = [p for p, (need, _) in plans.items() if need + _repack_margin(need) <= free]
         if not fitting:
             report.deferred = (f"{len(plans)} pack rewrite(s) need more free space than the "
@@ -314,12 +314,6 @@ def _repack_sizes(store, pack: bytes, live: list[bytes]) -> tuple[int, int]:
 def _repack_margin(need: int) -> int:
     """Room kept free beyond a rewrite's new pack: the index grows by the moved records' pages."""
     return (256 << 10) + need // 16
-
-
-def _free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still write on the filesystem holding `path`."""
-    st = os.statvfs(path if os.path.isdir(path) else os.path.dirname(path))
-    return st.f_bavail * st.f_frsize
 
 
 def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> None:
@@ -414,17 +408,7 @@ def _lease_dead(store, lease: bytes, info: dict, host: str) -> bool:
     backend = store.objects.backend
     if info.get("file") and backend is not None:
         return not backend.lease_alive(lease_name(lease))
-    return info.get("host") == host and isinstance(info.get("pid"), int) and not _pid_alive(info["pid"])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return info.get("host") == host and isinstance(info.get("pid"), int) and not pid_alive(info["pid"])
 
 
 def reap_dead_leases(store) -> int:
@@ -445,33 +429,7 @@ def reap_dead_leases(store) -> int:
     return len(dead)
 
 
-def clean_tmp(store) -> None:
-    """Remove temporary files whose writer is provably gone: its owner file's lock can be taken
-    (a live writer in another PID namespace, or on another host sharing the filesystem, keeps
-    its lock, so its files stay). Files of writers from before owner files are judged as that
-    cas did: this host's, with their process id gone. Then the dead owners' files go too."""
-    tmp, host = store.layout.tmp, host_tag()
-    names = os.listdir(tmp) if os.path.isdir(tmp) else []
-    dead_owners: set[str] = set()
-    for name in names:
-        owner = tmp_owner(name)
-        if owner is None:
-            continue
-        writer_host, pid, token = owner
-        if token is not None:
-            alive = owner_alive(tmp, writer_host or host, pid, token)
-            if alive is False:
-                dead_owners.add(owner_file(tmp, writer_host or host, pid, token))
-            if alive is not False:
-                continue
-        elif writer_host not in (host, None) or _pid_alive(pid):
-            continue
-        unlink_quietly(os.path.join(tmp, name))
-    for name in names:
-        path = os.path.join(tmp, name)
-        if name.startswith(OWNER_PREFIX) and not name.endswith(".new"):
-            parts = name[len(OWNER_PREFIX):].split(".")
-            if len(parts) == 3 and parts[1].isdigit() and owner_alive(tmp, parts[0], int(parts[1]), parts[2]) is False:
-                dead_owners.add(path)
-    for path in dead_owners:  # after their files: a file left without its owner would never go
-        unlink_quietly(path)
+def clean_tmp(store) -> int:
+    """Remove temporary files whose writer is provably gone (the backend judges: for a local
+    store, by each writer's owner-file lock; cas.localfs.LocalBackend.clean_tmp)."""
+    return store.backend.clean_tmp()

@@ -63,7 +63,6 @@ import datetime as _dt
 import functools
 import io
 import os
-import re
 import threading
 import time
 import warnings
@@ -89,9 +88,9 @@ from torch.futures import Future
 from cas import faults
 from cas.codecs import CodecPolicy, parse_header
 from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, MissingObjectError
-from cas.fsutil import unlink_quietly
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
+from cas.localfs import LocalBackend
 from cas.objects import FileObjects
 from cas.objectstore import MAX_CHAIN_DECODE, WriteSession, decode_chain, last_below
 
@@ -113,7 +112,6 @@ READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while 
 HEADER_BYTES = 64  # enough for any object header (cas.codecs), a delta's base key included
 ABSENT, REUSABLE, REPLACE = "absent", "reusable", "replace"  # a rank's view of an existing object file
 REPLACEMENTS = "replacements"  # in a tensor's WriteResult: {chunk key: temporary file name}
-_TMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # fsutil.tmp_name's
 
 
 class DistributedCheckpointError(CasError):
@@ -158,7 +156,7 @@ class _RankObjects:
     def __init__(self, path: str, *, compress: bool, level: int, workers: int) -> None:
         layout = L.Layout(path)
         self.config = L.read_config(layout)
-        self.files = FileObjects(layout.objects, layout.tmp)
+        self.files = FileObjects(LocalBackend(layout.root))  # the store's folder, no index
         self.codec = CodecPolicy(compress=compress, level=level)
         self.workers = workers
         self._seen: set[bytes] = set()
@@ -197,7 +195,7 @@ class _RankObjects:
         placed = standing == ABSENT and self.files.place_new(staged)
         with self._lock:
             if not placed:  # a file holds the name (or appeared meanwhile): the coordinator decides
-                self.replacements[key] = os.path.basename(staged[0])
+                self.replacements[key] = staged.token
             if enc.base is not None:
                 self.written[key] = enc.base
         return key
@@ -451,10 +449,11 @@ def _tensor_item(fqn: str, md: TensorStorageMetadata) -> dict:
             "size": list(md.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
 
 
-def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_size: int) -> _Manifest:
+def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_size: int,
+                   files: FileObjects) -> _Manifest:
     """The state tree of a DCP checkpoint: a root value node referring to a metadata node (DCP's
     Metadata as plain values), a tensors node ({fqn: [tensor node per stored chunk]}) and a values
-    node ({fqn: {"v": value} or {"pickle": bytes}})."""
+    node ({fqn: {"v": value} or {"pickle": bytes}}). `files` checks the ranks' replacement files."""
     reported = _results_by_index(results)
     nodes = _Nodes()
     items, shards, values, sharding = {}, {}, {}, {}
@@ -470,7 +469,7 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
                                    chunk_size) for c in md.chunks]
         keys.extend(k for node in shard_nodes for k in node["chunks"])
         for c in md.chunks:
-            for key, name in _replacements(fqn, reported.get(MetadataIndex(fqn, c.offsets))).items():
+            for key, name in _replacements(fqn, reported.get(MetadataIndex(fqn, c.offsets)), files).items():
                 replacements.setdefault(key, set()).add(name)
         shards[fqn] = [nodes.emit(node) for node in shard_nodes]
         sharding[fqn] = sharding_summary(md.size, md.chunks)
@@ -485,17 +484,21 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
                      replacements)
 
 
-def _replacements(fqn: str, data) -> dict[bytes, str]:
-    """A shard's {chunk key: temporary file name} of replacement files, each name checked to be
-    one a rank's FileObjects.stage gives for that key (a plain name in the store's tmp folder)."""
+def _replacements(fqn: str, data, files: FileObjects) -> dict[bytes, str]:
+    """A shard's {chunk key: staged token} of replacement files, each token checked to be one a
+    rank's FileObjects.stage gives for that key (the backend's staged(): for a local store, a
+    plain name in its tmp folder)."""
     given = data.get(REPLACEMENTS, {}) if isinstance(data, dict) else {}
     if not isinstance(given, dict):
         raise CasError(f"a rank reported malformed replacement files for {fqn!r}")
     for key, name in given.items():
-        if not (isinstance(key, bytes) and isinstance(name, str) and _TMP_NAME.fullmatch(name)
-                and name[1:65] == key.hex()):
+        try:
+            if not (isinstance(key, bytes) and len(key) == 32 and isinstance(name, str)):
+                raise CasError("malformed")
+            files.staged(key, name)
+        except CasError:
             raise CasError(f"a rank reported a replacement file {name!r} that is not one of its temporary files, "
-                           f"for {fqn!r}")
+                           f"for {fqn!r}") from None
     return given
 
 
@@ -579,12 +582,11 @@ def _adopt_chunks(session: WriteSession, manifest: _Manifest) -> None:
     """Index the chunk files the ranks reported (at commit). A key the index holds keeps its
     record and file (in a pack too: a rank's file of it is left to gc); a rank's replacement
     file takes the place of an unindexed one (WriteSession.adopt)."""
-    tmp = session.store.files.tmp_dir
+    objects = session.store.files
     for key in manifest.chunk_keys:
-        files = sorted(os.path.join(tmp, name) for name in manifest.replacements.get(key, ()))
-        session.adopt(key, files[0] if files else None)
-        for surplus in files[1:]:  # several ranks replaced the same file
-            unlink_quietly(surplus)
+        staged = [objects.staged(key, token) for token in sorted(manifest.replacements.get(key, ()))]
+        session.adopt(key, staged[0] if staged else None)
+        objects.discard(staged[1:])  # several ranks replaced the same file
 
 
 # --- the writer ------------------------------------------------------------------------------
@@ -772,7 +774,7 @@ class CasWriter(StorageWriter):
 
     def _commit(self, pending: _PendingCommit, metadata: Metadata, results: list[list[WriteResult]]) -> Checkpoint:
         store, session = pending.store, pending.session
-        manifest = build_manifest(metadata, results, store.chunk_size)
+        manifest = build_manifest(metadata, results, store.chunk_size, store.objects.files)
         _adopt_chunks(session, manifest)
         meta = {**self.meta, "dcp": {"world_size": len(results), "sharding": manifest.sharding}}
         commit = commit_node(step=self.step, created=pending.created, milestone=self.milestone,

@@ -11,6 +11,12 @@
 
 Opening a folder that is not a store, or a store of another format version, fails before
 anything is created or changed.
+
+The config file, `create.lock` and the folders made at creation are the store's bootstrap:
+they are read or made before any backend exists (the config says what the store is), so they
+stay here, outside the backend contract. Everything under objects/, packs/, log/, leases/ and
+tmp/ is reached only through the backend (cas.localfs for a folder); the Layout properties
+naming those folders remain for tests and tools.
 """
 
 from __future__ import annotations

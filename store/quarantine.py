@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cas.errors import CorruptionError
-from cas.fsutil import atomic_write, fsync_dir
+from cas.errors import BlobAbsentError, CorruptionError
 from cas.index import WHERE_PACK, Index
+from cas.localfs import LocalBackend
 from cas.objects import FileObjects
 from cas.packs import PackFiles
 
@@ -49,14 +49,13 @@ def quarantine_damaged(path: str) -> QuarantineReport:
     report = QuarantineReport()
     index = Index(layout.index)
     try:
-        files = FileObjects(layout.objects, layout.tmp)
-        packs = PackFiles(layout.packs, layout.tmp)
-        folder = os.path.join(layout.root, FOLDER)
+        backend = LocalBackend(layout.root)
+        files, packs = FileObjects(backend), PackFiles(backend)
         with index.write() as txn:
             for key, info in list(index.iter_damaged(txn)):
                 if "quarantined" in info:
                     continue
-                moved = _move_out(index, txn, files, packs, folder, key)
+                moved = _move_out(index, txn, files, packs, key)
                 index.put_damaged(txn, key, dict(info, quarantined=moved or ""))
                 report.moved.append(Quarantined(key.hex(), info.get("reason", ""), moved))
     finally:
@@ -64,33 +63,25 @@ def quarantine_damaged(path: str) -> QuarantineReport:
     return report
 
 
-def _move_out(index: Index, txn, files: FileObjects, packs: PackFiles, folder: str, key: bytes) -> str | None:
+def _move_out(index: Index, txn, files: FileObjects, packs: PackFiles, key: bytes) -> str | None:
     """Put what the store holds of one object into quarantine/ and drop its record; returns
-    where it went (None when there was nothing to keep)."""
+    where it went (None when there was nothing to keep). A name taken by an earlier quarantine
+    of that object is never replaced: <key>.1, .2, ... instead."""
     rec = index.record(txn, key)
     if rec is not None:
         txn.delete(key, db=index.db("objects"))
-    dest = _free_name(folder, key.hex())
+    blob = None
     if rec is not None and rec.where == WHERE_PACK:
         try:
             blob = packs.read(rec.pack, rec.offset, rec.stored_size, key)
         except CorruptionError:  # the pack is gone or shorter: nothing of the entry to keep
             return None
-        atomic_write(dest, [blob])
-    elif os.path.lexists(files.path(key)):  # a file (or what stands in its place), indexed or not
-        os.rename(files.path(key), dest)
-        fsync_dir(os.path.dirname(files.path(key)))
-    else:
-        return None
-    fsync_dir(folder)
-    return dest
-
-
-def _free_name(folder: str, name: str) -> str:
-    """quarantine/<key>, or <key>.1, .2, ... when that object was quarantined before."""
-    os.makedirs(folder, exist_ok=True)
-    dest, n = os.path.join(folder, name), 0
-    while os.path.lexists(dest):
+    backend, n = files.backend, 0
+    while True:
+        dest = f"{FOLDER}/{key.hex()}" + (f".{n}" if n else "")
+        try:  # a pack entry's bytes are copied; a file (or what stands in its place) is moved
+            if backend.put_if_absent(dest, [blob]) if blob is not None else backend.move(files.name(key), dest):
+                return backend.where(dest)
+        except BlobAbsentError:  # no file of it, indexed or not
+            return None
         n += 1
-        dest = os.path.join(folder, f"{name}.{n}")
-    return dest

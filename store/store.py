@@ -116,12 +116,11 @@ class Store:
             raise CasError(f"the store at {self.path} was created with chunk_size {self.config.chunk_size}; "
                            f"it cannot be opened with {chunk_size} (leave chunk_size out)")
         self.readonly = readonly or not _writable(self.layout)
-        self.backend = LocalBackend(self.path, self.layout.tmp)
+        self.backend = LocalBackend(self.path)
         self.records = RecordLog(self.backend, self.path)
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._open_cache()
-        self.objects = ObjectStore(self.index, FileObjects(self.layout.objects, self.layout.tmp),
-                                   PackFiles(self.layout.packs, self.layout.tmp),
+        self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
                                    CodecPolicy(compress=compress, level=compression_level), pack_max,
                                    backend=self.backend)
         try:

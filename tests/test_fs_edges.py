@@ -17,7 +17,8 @@ from workers import state_of, tensor
 
 import cas
 from cas.errors import UnsupportedFilesystemError
-from cas.fsutil import rename_noreplace, write_tmp
+from cas.fsutil import rename_noreplace
+from cas.localfs import LocalBackend
 from cas.objects import FileObjects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +81,7 @@ def test_a_filesystem_without_hard_links_or_noreplace_renames_refuses_object_fil
         with pytest.raises(UnsupportedFilesystemError, match="neither rename without replacing"):
             store.save(state_of([1]), step=1)
         assert store.checkpoints() == []
-    assert list(FileObjects(str(path / "objects"), str(path / "tmp")).iterate()) == []
+    assert list(FileObjects(LocalBackend(str(path))).iterate()) == []
     assert os.listdir(path / "tmp") == []
 
 
@@ -94,11 +95,11 @@ def test_rename_noreplace_never_replaces_on_a_real_filesystem(tmp_path):
     with pytest.raises(FileExistsError):
         rename_noreplace(str(second), str(final))
     assert final.read_bytes() == b"first" and second.read_bytes() == b"second"
-    files = FileObjects(str(tmp_path / "objects"), str(tmp_path))
+    files = FileObjects(LocalBackend(str(tmp_path), str(tmp_path)))
     key = bytes(range(32))
-    assert files.place_new((write_tmp(files.path(key), [b"one"], tmp_dir=str(tmp_path)), key))
-    other = write_tmp(files.path(key), [b"two"], tmp_dir=str(tmp_path))
-    assert not files.place_new((other, key)) and files.get(key) == b"one"
+    assert files.place_new(files.stage(key, [b"one"]))
+    other = files.stage(key, [b"two"])
+    assert not files.place_new(other) and files.get(key) == b"one"
 
 
 def test_a_writer_paused_before_naming_its_files_never_replaces_a_committed_one(tmp_path):
