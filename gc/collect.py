@@ -172,9 +172,9 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
 
 def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes],
                 progress: Progress | None) -> None:
-    index, files = store.index, store.objects.files
     t0 = time.perf_counter()
-    store.ensure_cache()  # mark from a registry proven to match the store's record log
+    store.ensure_cache()  # mark from a registry proven to match the store's record log (it may reopen the index)
+    index, files = store.index, store.objects.files
     with index.read() as txn:
         generation = index.generation(txn)
         roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]

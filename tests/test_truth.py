@@ -431,3 +431,62 @@ def test_a_process_whose_index_was_deleted_under_it_goes_on_saving(tmp_path):
         assert_loads(store, 2, [2, 20])
         assert_loads(store, 4, [4, 40])
     assert finish(spawn("open_only", path)).strip() == "1,2,3,4,5"
+
+
+SAVE_PHASES = ["save.planned", "save.chunks_written", "save.nodes_written", "commit.synced"]
+GC_PHASES = ["gc.forgotten", "gc.marked", "gc.sweep_batch"]
+
+
+def lose_cache(path, loss: str, old_copy) -> None:
+    """Delete the index files, or put an older copy of the index in their place, while another
+    process has them open. (Truncating a file another process has mapped kills it with SIGBUS:
+    a truncated cache is tested at rest, above.)"""
+    if loss == "deleted":
+        drop_index_files(path)
+    else:
+        shutil.rmtree(path / "index")
+        shutil.copytree(old_copy, path / "index")
+
+
+@pytest.mark.parametrize("loss", ["deleted", "older copy"])
+@pytest.mark.parametrize("point", SAVE_PHASES)
+def test_the_cache_lost_at_any_phase_of_a_save_loses_nothing(tmp_path, point, loss):
+    path, old, flag = tmp_path / "s", tmp_path / "old", str(tmp_path / "flag")
+    expected = build(path)
+    shutil.copytree(path / "index", old)
+    with open_store(path) as store:
+        store.save(state_of([7]), step=7)  # the older copy lacks this one
+    child = spawn("save", path, 8, "8+18+99", faults=f"{point}=pause:{flag}")
+    wait_reached(flag, child)
+    lose_cache(path, loss, old)
+    open(flag, "w").close()
+    finish(child)
+    with open_store(path) as store:
+        assert flags(store)[:3] == expected and [f[0] for f in flags(store)][3:] == [7, 8]
+        for step in (2, 3, 4):
+            assert_loads(store, step, [step, step + 10, 99])
+        assert_loads(store, 7, [7])
+        assert_loads(store, 8, [8, 18, 99])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert_loads(store, 8, [8, 18, 99])
+
+
+@pytest.mark.parametrize("loss", ["deleted", "older copy"])
+@pytest.mark.parametrize("point", GC_PHASES)
+def test_the_cache_lost_at_any_phase_of_a_gc_loses_nothing(tmp_path, point, loss):
+    path, old, flag = tmp_path / "s", tmp_path / "old", str(tmp_path / "flag")
+    build(path)
+    shutil.copytree(path / "index", old)
+    child = spawn("gc", path, 2, faults=f"{point}=pause:{flag}")  # keep_last 2: removes step 2
+    wait_reached(flag, child)
+    lose_cache(path, loss, old)
+    open(flag, "w").close()
+    finish(child)
+    with open_store(path) as store:
+        assert [(f[0], f[3]) for f in flags(store)] == [(3, True), (4, False)]
+        for step in (3, 4):
+            assert_loads(store, step, [step, step + 10, 99])
+        store.gc()
+        assert_exactly_reachable(store)
+        assert store.verify().ok
