@@ -12,7 +12,6 @@ The LMDB registry is a cache of this fold (store/cache.py). Format: docs/format.
 
 from __future__ import annotations
 
-import datetime as _dt
 import getpass
 import os
 import socket
@@ -60,10 +59,6 @@ class Entry:
     pid: int
     user: str
     changes: tuple  # the registry changes, applied in order, all or none
-
-    @property
-    def when(self) -> _dt.datetime:
-        return _dt.datetime.fromtimestamp(self.time, _dt.timezone.utc)
 
 
 def _user() -> str:

@@ -23,7 +23,7 @@ import msgpack
 from cas import faults
 from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError, StoreWriteError
 
-from .records import Entry, RecordLog
+from .records import RecordLog
 
 TABLE = "checkpoints"
 ORDER_TABLE = "order"
@@ -254,6 +254,3 @@ class Registry:
     def clear(self, txn) -> None:
         txn.drop(self.db, delete=False)
         txn.drop(self.order, delete=False)
-
-    def entry(self, seq: int) -> Entry:
-        return self.log.read(seq)

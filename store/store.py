@@ -275,8 +275,7 @@ class Store:
         """Snapshot `state` into host memory and return; hash, encode, write and commit in the
         background. The caller may change the state as soon as this returns. With the default
         max_inflight=1, a second call first waits for the previous save to finish."""
-        _checked_process(self._pid, self.path)  # before waiting on saves that a fork left behind
-        self._raise_unobserved()
+        self._raise_unobserved()  # refuses a forked child before it waits on saves a fork left behind
         while len(self._inflight) >= self.max_inflight:
             concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
             self._raise_unobserved()
@@ -330,7 +329,6 @@ class Store:
     def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
-        _checked_process(self._pid, self.path)
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
