@@ -54,7 +54,7 @@ import torch
 import zstandard
 
 import cas
-from cas.store.store import DEFAULT_MAX_CHAIN
+from cas.store.options import DEFAULT_MAX_CHAIN
 from bench_async import GB, CpuShare, ModelConfig, Stat, Trainer, adamw, exit_on_sigterm, load_avg, log
 
 try:

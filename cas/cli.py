@@ -217,7 +217,7 @@ def cmd_du(store, args) -> int:
 
 
 
-@command("rm", "forget a checkpoint (space returns at the next gc)", _add_step)
+@command("rm", "delete a checkpoint (space returns at the next gc)", _add_step)
 def cmd_rm(store, args) -> int:
     store.delete(args.step)
     print(f"removed checkpoint {args.step}; run `cas gc --keep-all` (or with your rules) to reclaim the space only it used")

@@ -147,7 +147,7 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
     if dry_run or retention is None:
         choose(store.checkpoints())
     else:  # decided on the registry inside the transaction that removes: no stale decision
-        store._forget_chosen(choose)
+        store.delete_chosen(choose)
     faults.point("gc.forgotten")
     removed_keys = {ck.key for ck in report.removed} if dry_run else set()
     sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress)

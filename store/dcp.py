@@ -807,44 +807,23 @@ class _Loaded:
     values: dict  # fqn -> {"v": value} or {"pickle": bytes}
 
 
-def _read_node(store: Store, ref, kind: str, step: int, path: str) -> dict:
-    if not isinstance(ref, Ref):
-        raise CorruptionError("the DCP manifest lacks a node reference", step=step, path=path)
-    try:
-        node = parse_node(store.objects.get(ref.key).tobytes(), ref.key)
-    except CorruptionError as exc:
-        raise exc.located(step=step, path=path) from None
-    if node["k"] != kind:
-        raise CorruptionError(f"expected a {kind} node, found a {node['k']} node", key=ref.key.hex(), step=step,
-                              path=path)
-    return node
-
-
-def _resolve(store: Store, step: int | None) -> Checkpoint:
-    if step is not None:
-        return store.get(step)
-    ck = store.latest()
-    if ck is None:
-        raise CheckpointNotFoundError(f"the store at {store.path} holds no checkpoint yet")
-    return ck
-
-
 def read_manifest(given: Store | None, path: str, step: int | None) -> _Loaded:
     """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile."""
     with _opened(given, path, create=False, readonly=True) as store:
-        ck = _resolve(store, step)
-        root = _read_node(store, store._commit(ck)["tree"], "value", ck.step, "")["v"]
+        reader = store.reader(step)
+        ck = reader.checkpoint
+        root = reader.node(reader.commit()["tree"], "value", "")["v"]
         if not (isinstance(root, dict) and isinstance(root.get("dcp"), dict)):
             raise CasError(f"checkpoint step {ck.step} was not saved through DCP; load it with Store.load")
         if root["dcp"].get("format") != DCP_FORMAT:
             raise CorruptionError(f"DCP manifest format {root['dcp'].get('format')!r}, this cas reads {DCP_FORMAT}",
                                   step=ck.step)
-        plain = _read_node(store, root.get("metadata"), "value", ck.step, "metadata")["v"]
-        shard_refs = _read_node(store, root.get("tensors"), "value", ck.step, "tensors")["v"]
-        values = _read_node(store, root.get("values"), "value", ck.step, "values")["v"]
+        plain = reader.node(root.get("metadata"), "value", "metadata")["v"]
+        shard_refs = reader.node(root.get("tensors"), "value", "tensors")["v"]
+        values = reader.node(root.get("values"), "value", "values")["v"]
         try:
             metadata, shards = metadata_from_plain(
-                plain, shard_refs, lambda ref, p: _read_node(store, ref, "tensor", ck.step, p))
+                plain, shard_refs, lambda ref, p: reader.node(ref, "tensor", p))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptionError(f"the DCP manifest is malformed ({type(exc).__name__}: {exc})", step=ck.step) from None
         if not isinstance(values, dict):

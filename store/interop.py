@@ -24,21 +24,19 @@ import re
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from cas import faults
-from cas.errors import CasError, CorruptionError
+from cas.errors import CasError
 from cas.fsutil import fsync_dir, tmp_name
 
-from . import pipeline
+from .reader import Leaf
 from .registry import Checkpoint, exists_error
-from .store import _select
 from .tensors import TORCH_DTYPES
-from .tree import path_join
-from .values import Ref, numpy_dtype
+from .values import numpy_dtype
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total or 0), as gc's progress
 
@@ -52,65 +50,6 @@ STEP_RULE = ("a file's step is the last number in its name without the suffix "
 class ImportRefusedError(CasError):
     """A file to import is not one we read safely: it needs more than weights-only loading,
     is not a checkpoint file, or its step cannot be told."""
-
-
-# --- walking a checkpoint's leaves ----------------------------------------------------------
-@dataclass(frozen=True)
-class Leaf:
-    """One leaf of a checkpoint's state: a tensor (its node and reference) or a plain value."""
-
-    path: str
-    ref: Ref | None = None
-    node: dict | None = None
-    value: object = None
-
-    @property
-    def is_tensor(self) -> bool:
-        return self.node is not None
-
-
-def iter_leaves(store, ck: Checkpoint, keys=None) -> Iterator[Leaf]:
-    """Every leaf of a checkpoint (or of its top-level `keys`) in state order, reading manifest
-    nodes only, so that callers can pick the tensors whose bytes they need."""
-    top = store._top_value(ck)
-    if keys is not None:
-        top = _select(top, keys, ck.step)
-    return _leaves(store, top, "", ck.step)
-
-
-def _leaves(store, value, path: str, step: int) -> Iterator[Leaf]:
-    if isinstance(value, Ref):
-        node = store._node(value.key, step, path)
-        if node["k"] == "tensor":
-            yield Leaf(path, value, node)
-        elif node["k"] == "value":
-            yield from _leaves(store, node["v"], path, step)
-        else:
-            raise CorruptionError("a commit node appears inside a state tree", key=value.key.hex(), step=step,
-                                  path=path)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _leaves(store, v, path_join(path, k), step)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _leaves(store, v, path_join(path, i), step)
-    else:
-        yield Leaf(path, value=value)
-
-
-def tensor_leaves(store, ck: Checkpoint) -> dict[str, Leaf]:
-    return {leaf.path: leaf for leaf in iter_leaves(store, ck) if leaf.is_tensor}
-
-
-def read_tensor(store, leaf: Leaf, step: int):
-    """Decode one tensor (every chunk checked against its hash) without loading the rest."""
-    jobs: list = []
-    out = store._materialize(leaf.ref, leaf.path, step, jobs, {})
-    try:
-        pipeline.read_tensor_chunks(store.objects, jobs, store._read_pool, window=4 * store._workers)
-    except CorruptionError as exc:
-        raise exc.located(step=step) from None
-    return out
 
 
 def torch_dtype_of(node: dict) -> torch.dtype | None:
@@ -170,15 +109,16 @@ def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bo
     target = os.path.realpath(os.fspath(path))
     if os.path.commonpath([target, os.path.realpath(store.path)]) == os.path.realpath(store.path):
         raise CasError(f"refusing to export into the store itself ({path}): choose a path outside {store.path}")
-    ck = store.get(step)
+    reader = store.reader(step)
+    ck = reader.checkpoint
     keys = [keys] if isinstance(keys, str) else keys
     prefix = _relative_prefix(keys, relative)
-    leaves = list(iter_leaves(store, ck, keys))
+    leaves = list(reader.leaves(keys))
     todo = [leaf for leaf in leaves if leaf.is_tensor]
     names = _export_names(todo, prefix)
     tensors: dict[str, torch.Tensor] = {}
     for i, (name, leaf) in enumerate(zip(names, todo), 1):
-        value = read_tensor(store, leaf, ck.step)
+        value = reader.read_tensor(leaf)
         tensors[name] = torch.from_numpy(_native(value)) if isinstance(value, np.ndarray) else value
         if progress:
             progress("export", i, len(todo))
@@ -441,7 +381,7 @@ def _take_back(store, steps: list[int], exc: BaseException) -> None:
     if not steps:
         return
     try:
-        store.forget([step for step in steps if store.exists(step)])
+        store.delete([step for step in steps if store.exists(step)])
     except Exception as undo:  # noqa: BLE001 - reported on the import's own error, never instead of it
         exc.add_note(f"the {len(steps)} checkpoint(s) imported before it could not all be removed again "
                      f"({type(undo).__name__}: {undo}); remove steps {steps} with `cas rm`")
@@ -490,15 +430,16 @@ def _json_number(x: float | None):
 def diff(store, a: int, b: int, marker_cls, *, progress: Progress | None = None) -> DiffReport:
     """Compare checkpoint `a` with checkpoint `b`, per tensor path. Chunk keys tell what changed
     without reading tensor bytes; only changed floating tensors are loaded, for the max abs diff."""
-    ck_a, ck_b = store.get(a), store.get(b)
-    before, after = tensor_leaves(store, ck_a), tensor_leaves(store, ck_b)
+    reader_a, reader_b = store.reader(a), store.reader(b)
+    ck_a, ck_b = reader_a.checkpoint, reader_b.checkpoint
+    before, after = reader_a.tensor_leaves(), reader_b.tensor_leaves()
     changes = [_compare(path, before.get(path), leaf) for path, leaf in after.items()]
     changes += [_compare(path, leaf, None) for path, leaf in before.items() if path not in after]
     measurable = [i for i, c in enumerate(changes) if c.status == "changed"
                   and _comparable(before[c.path].node, after[c.path].node)]
     for n, i in enumerate(measurable, 1):
         path = changes[i].path
-        delta = max_abs_diff(read_tensor(store, before[path], a), read_tensor(store, after[path], b))
+        delta = max_abs_diff(reader_a.read_tensor(before[path]), reader_b.read_tensor(after[path]))
         changes[i] = replace(changes[i], max_abs_diff=delta)
         if progress:
             progress("diff", n, len(measurable))

@@ -16,7 +16,7 @@ names it by a step. Nothing is written at the paths themselves.
   checkpoint (dedup makes it nearly free) and adds its path to the list.
 - A path names the newest checkpoint that lists it, like a file that each save overwrites. A
   checkpoint stays while some path still names it: remove_checkpoint(path), or a save that moves
-  the path on to a newer step (last.ckpt), forgets a checkpoint that no other path names.
+  the path on to a newer step (last.ckpt), deletes a checkpoint that no other path names.
 - load_checkpoint(path) finds the step by, in order: the checkpoint the path names; the number
   after "step=" in the file name (Lightning's default names; path_for(step) makes one); a name
   that starts with "last" means the latest checkpoint.
@@ -65,10 +65,10 @@ class CasCheckpointIO(CheckpointIO):
         cks = self.store.checkpoints()
         previous = self._named(path, cks)
         paths = [p for p in self._names_to_keep(step, cks) if p != path] + [path]
-        self.store._replace(_plain(checkpoint), step=step, meta={PATHS_META: paths})
+        self.store.save(_plain(checkpoint), step=step, meta={PATHS_META: paths}, replace=True)
         self._removed.discard(path)
         if previous is not None and previous.step != step:
-            self._forget_if_unnamed(previous)
+            self._delete_if_unnamed(previous)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """The checkpoint dict stored for `path`; tensors on CPU unless map_location is a device."""
@@ -80,7 +80,7 @@ class CasCheckpointIO(CheckpointIO):
         ck = self._named(path, self.store.checkpoints())
         self._removed.add(path)
         if ck is not None:
-            self._forget_if_unnamed(ck)
+            self._delete_if_unnamed(ck)
 
     # --- paths and steps ------------------------------------------------------------------
     @staticmethod
@@ -133,7 +133,7 @@ class CasCheckpointIO(CheckpointIO):
             raise exists_error(step)
         return self._live_paths(old, cks)
 
-    def _forget_if_unnamed(self, ck: Checkpoint) -> None:
+    def _delete_if_unnamed(self, ck: Checkpoint) -> None:
         """Forget `ck` once no path names it; a pinned checkpoint (a legal hold) always stays."""
         if not ck.pinned and not self._live_paths(ck, self.store.checkpoints()):
             self.store.delete(ck.step)

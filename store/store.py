@@ -13,57 +13,34 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import msgpack
 import numpy as np
 import torch
-from torch.nn.parameter import is_lazy
 
 from cas import faults
-from cas.codecs import CodecPolicy, checked_level, parse_header
-from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
+from cas.codecs import CodecPolicy
+from cas.errors import (CasError, CheckpointNotFoundError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
-from cas.index import WHERE_PACK
 from cas.localfs import LocalBackend
 from cas.objects import FileObjects
-from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE, ObjectStore
+from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
 
 from . import cache
 from . import layout as L
 from . import pipeline, tensors
+from .background import BackgroundSaves, SaveFuture
+from .options import DELTA_MIN_BYTES, StoreOptions, checked_meta, checked_metrics
+from .reader import CheckpointReader
 from .records import RecordLog
 from .registry import Checkpoint, Registry, add_change, exists_error, remove_change, set_change, step_key
+from .restore import restore as restore_targets
 from .staging import StagingArena
-from .training import is_stateful, resolve_stateful
-from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
-from .values import check_texts, checked_text, numpy_dtype, pack
+from .stats import StoreStats, codec_usage, store_stats
+from .training import resolve_stateful
+from .tree import commit_node, encode_nodes, plan, walk_value
+from .values import numpy_dtype
 from .verify import VerifyReport, record_damage, verify_checkpoints
-
-DEFAULT_WINDOW_BYTES = 256 << 20
-DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
-DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
-
-
-class SaveFuture(concurrent.futures.Future):
-    """The result of save_async: result() gives the Checkpoint or raises the save's error."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._observed = False
-
-    def result(self, timeout=None):
-        self._observed = True
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        self._observed = True
-        return super().exception(timeout)
-
-    def unobserved_exception(self) -> BaseException | None:
-        if self._observed or not self.done():
-            return None
-        return super().exception()
 
 
 @dataclass(frozen=True)
@@ -75,34 +52,16 @@ class _SaveJob:
     skeleton: object
     leaves: list
     created: float
-    replacing: bool = False  # the commit swaps out a checkpoint at the same step (Store._replace)
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    logical_bytes: int  # tensor bytes over all committed checkpoints (what full copies would hold)
-    stored_bytes: int  # encoded bytes of every object in the store
-    num_objects: int
-    num_checkpoints: int
-
-    @property
-    def dedup_ratio(self) -> float:
-        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
+    replacing: bool = False  # the commit swaps out a checkpoint at the same step (save(replace=True))
 
 
 class Store:
     """A content-addressed checkpoint store in one folder. Open with `cas.open(path)`."""
 
-    def __init__(self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False,
-                 chunk_size: int | None = None, compress: bool = True, compression_level: int = 1,
-                 workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
-                 max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
-        _checked_max_chain(max_chain)
-        _checked_delta_memory(delta_memory)
-        checked_level(compression_level)
-        if type(max_inflight) is not int or max_inflight < 1:
-            raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
+    def __init__(self, path: str | os.PathLike, *, options: StoreOptions | None = None, **option_values) -> None:
+        """Open (or create) the store at `path`; `options` and/or their keywords, see StoreOptions."""
+        self.options = opts = StoreOptions.of(options, **option_values)
+        create, readonly, chunk_size = opts.create, opts.readonly, opts.chunk_size
         self.path = os.path.abspath(os.fspath(path))
         self._pid = os.getpid()  # the process whose threads and LMDB environment these are
         self.layout = L.Layout(self.path)
@@ -121,7 +80,7 @@ class Store:
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._open_cache()
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
-                                   CodecPolicy(compress=compress, level=compression_level), pack_max,
+                                   CodecPolicy(compress=opts.compress, level=opts.compression_level), opts.pack_max,
                                    backend=self.backend)
         try:
             self._check_cache()
@@ -129,21 +88,18 @@ class Store:
             self._close_cache()
             raise
         self.chunk_size = self.config.chunk_size
-        self.window_bytes = window_bytes
-        self._workers = workers or os.cpu_count() or 2
+        self.window_bytes = opts.window_bytes
+        self._workers = opts.worker_count()
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
         self._hash_pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas-hash")
         # Loads wait on reads more than saves wait on writes: twice the threads keep the cores busy
         # (measured by bench/bench_core.py; more threads made saves slower, fewer made loads slower).
         self._read_pool = ThreadPoolExecutor(max_workers=2 * self._workers, thread_name_prefix="cas-read")
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
-        self.max_inflight = max_inflight
-        self._inflight: list[SaveFuture] = []
-        self._inflight_steps: set[int] = set()
-        self._arenas: list[StagingArena] = []
-        self.delta = delta
-        self.max_chain = max_chain
-        self.delta_memory = delta_memory  # bytes of the last save kept for deltas; None: all of them
+        self._background = BackgroundSaves()
+        self.max_inflight = opts.max_inflight
+        self.delta = opts.delta
+        self.max_chain = opts.max_chain
+        self.delta_memory = opts.delta_memory  # bytes of the last save kept for deltas; None: all of them
         # the last save's floating tensors; None until the first delta save of this open store
         self._bases: dict[str, pipeline.BaseTensor] | None = None
         self._base_arena = StagingArena()
@@ -235,17 +191,16 @@ class Store:
         if os.getpid() != self._pid:  # a forked child's copy: its threads and LMDB are the parent's
             self._closed = True
             return
-        concurrent.futures.wait(list(self._inflight))
+        self._background.wait()
         try:
             self._raise_unobserved()
         finally:
             self._closed = True
-            self._background.shutdown(wait=True)
+            self._background.shutdown()
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._read_pool.shutdown(wait=True)
             self._close_cache()
-            self._arenas.clear()
 
     def __enter__(self) -> "Store":
         return self
@@ -263,68 +218,36 @@ class Store:
 
     # --- save ---------------------------------------------------------------------------
     def save(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
-             meta: dict | None = None) -> Checkpoint:
+             meta: dict | None = None, replace: bool = False) -> Checkpoint:
         """Save `state` as checkpoint `step`. Nothing is visible until the commit, which happens
         only after every object it references is durable. Values with state_dict() and
-        load_state_dict() (modules, optimizers, ...) are saved as their state dicts."""
+        load_state_dict() (modules, optimizers, ...) are saved as their state dicts.
+
+        replace=True saves over an existing checkpoint at `step` (a pinned one is refused),
+        swapping it out in the commit's own transaction: until that commit the old checkpoint
+        stays, so a save that fails loses nothing (for integrations whose own naming reuses
+        steps, such as Lightning's last.ckpt)."""
         self._raise_unobserved()
-        return self._write(self._prepare(state, step, milestone, metrics, meta))
+        return self._write(self._prepare(state, step, milestone, metrics, meta, replacing=bool(replace)))
 
     def save_async(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
-                   meta: dict | None = None) -> "SaveFuture":
+                   meta: dict | None = None) -> SaveFuture:
         """Snapshot `state` into host memory and return; hash, encode, write and commit in the
         background. The caller may change the state as soon as this returns. With the default
         max_inflight=1, a second call first waits for the previous save to finish."""
         self._raise_unobserved()  # refuses a forked child before it waits on saves a fork left behind
-        while len(self._inflight) >= self.max_inflight:
-            concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
-            self._raise_unobserved()
+        self._background.make_room(self.max_inflight)
         job = self._prepare(state, step, milestone, metrics, meta)
-        arena = self._arenas.pop() if self._arenas else StagingArena()
-        arena.stage(job.leaves)
-        faults.point("save.staged")
-        future = SaveFuture()
-        self._inflight.append(future)
-        self._inflight_steps.add(step)
-
-        def run() -> None:
-            result, failure = None, None
-            try:
-                result = self._write(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-                failure = exc
-            finally:  # before the future completes: its waiter may save this step again at once
-                for leaf in job.leaves:
-                    leaf.staged = None
-                self._arenas.append(arena)
-                self._inflight_steps.discard(step)
-            if failure is None:
-                future.set_result(result)
-            else:
-                future.set_exception(failure)
-
-        self._background.submit(run)
-        return future
+        return self._background.submit(step, job.leaves, lambda: self._write(job))
 
     def wait(self) -> None:
         """Block until every in-flight save is done; raise a failure nobody has looked at."""
-        concurrent.futures.wait(list(self._inflight))
+        self._background.wait()
         self._raise_unobserved()
 
     def _raise_unobserved(self) -> None:
-        """Raise the failures of finished background saves that nobody looked at: the first,
-        with the others named in its notes (each is raised once)."""
         self._check_open()
-        failures = []
-        for future in [f for f in self._inflight if f.done()]:
-            self._inflight.remove(future)
-            if future.unobserved_exception() is not None:
-                failures.append(future.exception())
-        if failures:
-            first = failures[0]
-            for other in failures[1:]:
-                first.add_note(f"another background save failed too: {type(other).__name__}: {other}")
-            raise first
+        self._background.raise_unobserved()
 
     def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
@@ -332,22 +255,14 @@ class Store:
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
-        metrics = _checked_metrics(metrics)
-        meta = _checked_meta(meta)
+        metrics = checked_metrics(metrics)
+        meta = checked_meta(meta)
         self._reopen_if_orphaned()
-        if step in self._inflight_steps or (self.exists(step) and not replacing):
+        if step in self._background.steps or (self.exists(step) and not replacing):
             raise exists_error(step)
         skeleton, leaves = plan(resolve_stateful(state), chunk_size=self.chunk_size)
         faults.point("save.planned")
         return _SaveJob(step, bool(milestone), metrics, meta, skeleton, leaves, time.time(), replacing)
-
-    def _replace(self, state, *, step: int, meta: dict | None = None) -> Checkpoint:
-        """Save `state` as `step`, swapping out the checkpoint there in the commit's own
-        transaction (a pinned one is refused): for integrations whose own naming reuses steps
-        (Lightning's last.ckpt). Until that commit the old checkpoint stays, so a save that
-        fails loses nothing."""
-        self._raise_unobserved()
-        return self._write(self._prepare(state, step, False, None, meta, replacing=True))
 
     def _write(self, job: "_SaveJob") -> Checkpoint:
         """Write and commit a planned save; a failed file write (OSError) or index transaction
@@ -375,7 +290,7 @@ class Store:
         if latest is None:
             return {}
         try:
-            tensors = self._tensor_nodes(latest.step)
+            tensors = [(p, leaf.node) for p, leaf in self.reader(latest.step).tensor_leaves().items()]
         except CasError:  # a damaged manifest is verify's to report; this save is written whole
             return {}
         return {path: pipeline.BaseTensor(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), None)
@@ -519,12 +434,17 @@ class Store:
         """Called after every committed save; the public store applies retention here."""
 
     # --- load ---------------------------------------------------------------------------
+    def reader(self, step: int | None = None) -> CheckpointReader:
+        """A reader of checkpoint `step` (the latest when None), resolved now: it reads that
+        checkpoint even if the step is replaced meanwhile."""
+        self._check_open()
+        return CheckpointReader(self.objects, self.resolve(step), pool=self._read_pool, window=4 * self._workers,
+                                record_damage=lambda keys, by: record_damage(self, keys, by))
+
     def load(self, step: int | None = None, *, keys=None, device: str | torch.device | None = None):
         """Load a checkpoint's state (the latest when `step` is None); with `keys`, only those
         top-level entries are read. Every byte is checked against its hash."""
-        self._check_open()
-        ck = self._resolve(step)
-        state = self._load(ck, keys)
+        state = self.reader(step).materialize(keys)
         if device is not None:
             target = torch.device(device)
             state = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
@@ -543,134 +463,12 @@ class Store:
         (StateMismatchError) or another target that refuses its state leaves the modules as they
         were. A damaged object (CorruptionError) stops the restore with the targets partly
         restored, each chunk either as it was or as the checkpoint holds it."""
-        self._check_open()
-        if not isinstance(targets, dict):
-            raise TypeError("restore takes a dict of targets, like the state that was saved")
-        ck = self._resolve(step)
-        top = self._top_value(ck)
-        missing = [k for k in targets if not isinstance(top, dict) or k not in top]
-        if missing:
-            have = list(top) if isinstance(top, dict) else []
-            raise CheckpointNotFoundError(f"checkpoint step {ck.step} has no entries {missing} to restore "
-                                          f"into (it has {have})")
-        own_of: dict = {}  # target key -> {tensor path: its tensor}, for the targets decoded into
-        modules: dict = {}  # module targets' keys -> their tensors (checked against the checkpoint)
-        for key, target in targets.items():
-            if not is_stateful(target):
-                continue
-            own: dict[str, torch.Tensor] = {}
-            walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
-            lazy = any(is_lazy(t) for t in own.values())  # load_state_dict gives a lazy module its shapes
-            if isinstance(target, torch.nn.Module):
-                modules[key] = {} if lazy else own
-            if not lazy:
-                own_of[key] = own
-        if modules:
-            self._check_modules_fit(ck, {k: own for k, own in modules.items() if own})
-        into = _split_targets(own_of)
-        if not isinstance(top, dict):  # no targets (a dict of targets names top-level entries)
-            return self._load(ck, None)
-        # Everything but the modules first: an optimizer or scheduler that refuses its state
-        # (another number of parameter groups, say) then leaves the model untouched.
-        first = [k for k in top if k not in modules]
-        loaded = self._load(ck, first, into) if first else {}
-        self._load_targets(targets, loaded, ck.step)
-        if modules:
-            loaded.update(self._load(ck, list(modules), into))
-            self._load_targets(targets, loaded, ck.step)
-        return {k: loaded[k] for k in top}
-
-    @staticmethod
-    def _load_targets(targets: dict, loaded: dict, step: int) -> None:
-        """Hand each stateful target its loaded state (once), and put the target in its place.
-        A target that refuses its state is named in a StateMismatchError."""
-        for key, target in targets.items():
-            if is_stateful(target) and key in loaded and loaded[key] is not target:
-                try:
-                    target.load_state_dict(loaded[key])
-                except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-                    raise StateMismatchError(f"restore target {key!r} refused the state of checkpoint step {step}: "
-                                             f"{exc}") from exc
-                loaded[key] = target
-
-    def _check_modules_fit(self, ck: Checkpoint, modules: dict) -> None:
-        """Refuse, before any byte is decoded into them, module targets whose tensors
-        load_state_dict would refuse (a missing or unexpected name, another shape): a failed
-        restore must leave the model as it was."""
-        for key, own in modules.items():
-            theirs = dict(self._nodes_of(ck, key))
-            missing = sorted(set(own) - set(theirs))
-            unexpected = sorted(set(theirs) - set(own))
-            shapes = sorted(p for p in set(own) & set(theirs)  # a module's extra state may change its shape
-                            if list(own[p].shape) != theirs[p]["shape"] and "_extra_state" not in p.split("."))
-            if missing or unexpected or shapes:
-                what = "; ".join(f"{label}: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}"
-                                 for label, paths in (("not in the checkpoint", missing),
-                                                      ("not in the module", unexpected),
-                                                      ("of another shape", shapes)) if paths)
-                raise StateMismatchError(f"{key!r} does not fit checkpoint step {ck.step} ({what}); nothing was "
-                                         "restored")
-
-    def _commit(self, ck: Checkpoint) -> dict:
-        """The commit node a registry record names, which must be that step's commit: a damaged
-        or crafted record naming another node, or another step's commit, is refused instead
-        of loading what it names."""
-        node = self._node(ck.key, ck.step)
-        if node["k"] != "commit":
-            raise CorruptionError(f"the registry names a {node['k']} node as this checkpoint's commit",
-                                  key=ck.id, step=ck.step)
-        if node["step"] != ck.step:
-            raise CorruptionError(f"the registry names the commit of step {node['step']}", key=ck.id, step=ck.step)
-        return node
-
-    def _top_value(self, ck: Checkpoint):
-        root = self._commit(ck)["tree"]
-        tree = self._node(root.key, ck.step)
-        return tree["v"] if tree["k"] == "value" else root
-
-    def _load(self, ck: Checkpoint, keys, into: dict | None = None):
-        """Load the checkpoint's state (the top-level `keys` only, when given). `into`: per
-        top-level entry, {tensor path: the caller's tensor to decode into} (restore); kept per
-        entry because flat dotted paths of two entries can coincide ("model" holding "ema",
-        and an entry named "model.ema"). A damaged object it meets is recorded in the index
-        before the CorruptionError is raised, so the next save writes it again."""
-        try:
-            value = self._top_value(ck)
-            if keys is not None:
-                value = _select(value, keys, ck.step)
-            jobs: list = []
-            if into and isinstance(value, dict):
-                state = {k: walk_value(v, lambda ref, path, own=into.get(k, {}):
-                                       self._materialize(ref, path, ck.step, jobs, own), str(k))
-                         for k, v in value.items()}
-            else:
-                state = walk_value(value, lambda ref, path: self._materialize(ref, path, ck.step, jobs, {}))
-            pipeline.read_tensor_chunks(self.objects, jobs, self._read_pool, window=4 * self._workers)
-        except CorruptionError as exc:
-            record_damage(self, [exc.key], f"load of step {ck.step}")
-            raise exc.located(step=ck.step) from None
-        return state
-
-    def _materialize(self, ref: Ref, path: str, step: int, jobs: list, into: dict):
-        node = self._node(ref.key, step, path)
-        if node["k"] == "value":
-            return walk_value(node["v"], lambda r, p: self._materialize(r, p, step, jobs, into), path)
-        if node["k"] != "tensor":
-            raise CorruptionError("a commit node appears inside a state tree", key=ref.key.hex(), step=step, path=path)
-        out, view = tensors.output_for(node, into.get(path))
-        guarded = out is into.get(path)  # the caller's own tensor: only verified bytes may land in it
-        for key, (start, end) in zip(node["chunks"], pipeline.chunk_spans(node["nbytes"], node["chunk"], node["skew"])):
-            jobs.append((path, key, view[start:end], guarded))
-        return out
-
-    def _node(self, key: bytes, step: int, path: str | None = None) -> dict:
-        try:
-            return parse_node(self.objects.get(key).tobytes(), key)
-        except CorruptionError as exc:
-            raise exc.located(step=step, path=path) from None
+        return restore_targets(self.reader(step), targets)
 
     # --- registry -------------------------------------------------------------------------
-    def _resolve(self, step: int | None) -> Checkpoint:
+    def resolve(self, step: int | None) -> Checkpoint:
+        """Checkpoint `step`, or the latest when None; CheckpointNotFoundError when absent."""
+        self._check_open()
         with self.index.read() as txn:
             if step is None:
                 ck = self.registry.latest(txn)
@@ -681,7 +479,7 @@ class Store:
 
     def get(self, step: int) -> Checkpoint:
         self._check_open()
-        return self._resolve(step)
+        return self.resolve(step)
 
     def exists(self, step: int) -> bool:
         with self.index.read() as txn:
@@ -703,12 +501,10 @@ class Store:
         with self.index.read() as txn:
             return self.registry.previous(txn, step)
 
-    def delete(self, step: int) -> None:
-        """Forget a checkpoint. Its objects stay until gc finds them unreferenced."""
-        self.forget([step])
-
-    def forget(self, steps) -> list[Checkpoint]:
-        """Remove checkpoints from the registry in one transaction; pinned ones are refused."""
+    def delete(self, steps) -> list[Checkpoint]:
+        """Delete checkpoints (a step, or several in one transaction) from the registry; pinned
+        ones are refused. Their objects stay until gc finds them unreferenced."""
+        steps = [steps] if isinstance(steps, int) else list(steps)
         self._check_writable("delete checkpoints")
         with self.index.write() as txn:
             gone = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
@@ -720,7 +516,7 @@ class Store:
             self.index.bump_generation(txn)
         return gone
 
-    def _forget_chosen(self, choose: Callable[[list[Checkpoint]], list[int]]) -> list[Checkpoint]:
+    def delete_chosen(self, choose: Callable[[list[Checkpoint]], list[int]]) -> list[Checkpoint]:
         """Remove the checkpoints that `choose` picks from the registry as it reads inside this
         one write transaction (gc's retention: a decision on an earlier read removed a checkpoint
         made a milestone since, and failed on one another gc had removed). Pinned ones stay."""
@@ -763,69 +559,21 @@ class Store:
         `cas repair` quarantines them. `progress(phase, done, total)` is called once per
         checkpoint."""
         self._check_open()
-        cks = [self._resolve(step)] if step is not None else self.checkpoints()
+        cks = [self.resolve(step)] if step is not None else self.checkpoints()
         return verify_checkpoints(self, cks, quick=quick, progress=progress)
 
     def stats(self) -> StoreStats:
         self._check_open()
-        with self.index.read() as txn:
-            stored = num = 0
-            for _, rec in self.index.iter_records(txn):
-                stored += rec.stored_size
-                num += 1
-            cks = self.registry.all(txn)
-        return StoreStats(sum(c.logical_bytes for c in cks), stored, num, len(cks))
+        return store_stats(self.index, self.registry)
 
     def codec_usage(self) -> dict[str, dict]:
         """Per codec (as named in object headers): objects, stored and raw bytes, deepest chain."""
-        usage: dict[str, dict] = {}
-        with self.index.read() as txn:
-            records = list(self.index.iter_records(txn))
-        for key, rec in records:
-            try:
-                if rec.where == WHERE_PACK:
-                    head = self.objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
-                else:
-                    head = self.objects.files.head(key, 64)
-                name = parse_header(head, key=key).codec_name
-            except CorruptionError:
-                name = "unreadable"
-            u = usage.setdefault(name, {"objects": 0, "stored_bytes": 0, "raw_bytes": 0, "max_depth": 0})
-            u["objects"] += 1
-            u["stored_bytes"] += rec.stored_size
-            u["raw_bytes"] += rec.raw_size
-            u["max_depth"] = max(u["max_depth"], rec.depth)
-        return usage
+        self._check_open()
+        return codec_usage(self.index, self.objects)
 
     def tensors(self, step: int) -> list[dict]:
         """Per tensor of a checkpoint: path, dtype, shape, bytes, chunk keys (for `cas show`)."""
-        return [{"path": path, "lib": node["lib"], "dtype": node["dtype"], "shape": node["shape"],
-                 "bytes": node["nbytes"], "chunks": node["chunks"]} for path, node in self._tensor_nodes(step)]
-
-    def _tensor_nodes(self, step: int) -> list[tuple[str, dict]]:
-        """(path, tensor node) of every tensor of a checkpoint, in state order."""
-        self._check_open()
-        return self._nodes_of(self._resolve(step))
-
-    def _nodes_of(self, ck: Checkpoint, entry=None) -> list[tuple[str, dict]]:
-        """_tensor_nodes of a resolved checkpoint (of one top-level `entry` only, when given):
-        a restore reads the checkpoint it resolved, even if the step is replaced meanwhile."""
-        out: list[tuple[str, dict]] = []
-
-        def visit(ref: Ref, path: str):
-            node = self._node(ref.key, ck.step, path)
-            if node["k"] == "value":
-                walk_value(node["v"], visit, path)
-            elif node["k"] == "tensor":
-                out.append((path, node))
-
-        if entry is None:
-            visit(self._commit(ck)["tree"], "")
-        else:
-            top = self._top_value(ck)
-            if isinstance(top, dict) and entry in top:
-                walk_value(top[entry], visit, str(entry))
-        return out
+        return self.reader(step).tensors()
 
 
 def _writable(layout: L.Layout) -> bool:
@@ -833,68 +581,11 @@ def _writable(layout: L.Layout) -> bool:
     return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index) or os.access(layout.index, os.W_OK))
 
 
-def _split_targets(own_of: dict) -> dict:
-    """Per target key, the tensors to decode into, minus each one whose memory an earlier one
-    (of any target) shares: two decodes must never write the same bytes at once."""
-    flat = {(key, path): t for key, own in own_of.items() for path, t in own.items()}
-    kept = tensors.without_shared_memory(flat)
-    out: dict = {}
-    for (key, path), t in kept.items():
-        out.setdefault(key, {})[path] = t
-    return out
-
-
-def _select(value, keys, step: int):
-    if isinstance(keys, str):
-        keys = [keys]
-    if not isinstance(value, dict):
-        raise CasError(f"checkpoint step {step} holds a {type(value).__name__} at its top, not a dict; "
-                       "load it without keys=")
-    missing = [k for k in keys if k not in value]
-    if missing:
-        raise CheckpointNotFoundError(f"checkpoint step {step} has no top-level entries {missing}; "
-                                      f"it has {list(value)}")
-    return {k: value[k] for k in keys}
-
-
-def _checked_metrics(metrics) -> dict:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
-        raise TypeError("metrics must be a dict with str keys")
-    out = {}
-    for k, v in metrics.items():
-        checked_text(k, "a metrics key")
-        if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
-            if v.size != 1 if isinstance(v, (np.ndarray, np.generic)) else v.numel() != 1:
-                raise TypeError(f"metric {k!r} must be one number, got a {type(v).__name__} of shape {tuple(v.shape)}")
-            v = v.item()
-        if type(v) is bool or not isinstance(v, (int, float)):
-            raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
-        if not isinstance(v, float) and not -(1 << 63) <= v < 1 << 64:  # what a registry record holds
-            raise TypeError(f"metric {k!r} is an int beyond 64 bits; give it as a float")
-        out[k] = float(v) if isinstance(v, float) else int(v)
-    return out
-
-
 def _floating_node(node: dict) -> bool:
     """Whether a (checked) tensor node holds a floating-point dtype."""
     if node["lib"] == "torch":
         return tensors.is_floating(tensors.torch_dtype(node["dtype"]))
     return tensors.is_floating(numpy_dtype(node["dtype"]))
-
-
-def _checked_max_chain(max_chain) -> int:
-    """A bound restore can follow: chains deeper than MAX_CHAIN_DECODE are refused as cycles."""
-    if type(max_chain) is not int or not 0 <= max_chain <= MAX_CHAIN_DECODE:
-        raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {max_chain!r}")
-    return max_chain
-
-
-def _checked_delta_memory(delta_memory) -> int | None:
-    if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
-        raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
-    return delta_memory
 
 
 def _checked_process(pid: int, path: str) -> None:
@@ -906,20 +597,4 @@ def _checked_process(pid: int, path: str) -> None:
                        "forked after that: its worker threads and index do not work here. Open the store again "
                        "in the child (cas.open(path))")
 
-
-def _checked_meta(meta) -> dict:
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise TypeError("meta must be a dict")
-    try:
-        plain = msgpack.packb(meta, use_bin_type=True)  # as the registry record holds it
-        pack(meta)  # and the commit node
-        # a copy: the caller of save_async may change its dict once the call returns
-        return msgpack.unpackb(plain, raw=False, strict_map_key=False)
-    except (TypeError, ValueError, OverflowError) as exc:  # a tuple key comes back unhashable, say
-        if isinstance(exc, UnicodeEncodeError):  # a lone surrogate: name where it sits
-            check_texts(meta, "meta")  # (msgpack got that far, so this walk stays within its nesting limit)
-        raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts "
-                        f"with str or int keys): {exc}") from None
 

@@ -521,7 +521,7 @@ def test_a_dcp_save_of_chunks_stored_as_deltas_by_ordinary_saves_keeps_them_rest
         assert deltas and all(store.objects.files.has(k) for k in deltas)  # the premise: delta files
         cdcp.save({"w": w2}, store, 3, no_dist=True)
         assert set(deltas) <= {k for t in store.tensors(3) for k in t["chunks"]}  # same chunks, by key
-        store.forget([1, 2])
+        store.delete([1, 2])
         store.gc()
         assert store.verify().ok
     target = {"w": torch.zeros(256, 256)}

@@ -144,7 +144,7 @@ def test_pack_rewrites_that_cannot_fit_wait_and_the_ones_that_fit_are_done(tmp_p
             store.save({"b": tensor(2, rows=256)}, step=2)
             store.save({"c": tensor(3, rows=32), "d": tensor(4, rows=32)}, step=3)  # a 256 KiB pack
             store.save({"d": tensor(4, rows=32)}, step=4)
-            store.forget([1, 3])
+            store.delete([1, 3])
             st = os.statvfs(mount)
             with open(mount / "filler", "wb") as f:
                 f.write(b"\0" * (st.f_bavail * st.f_frsize - (500 << 10)))
@@ -171,7 +171,7 @@ def test_two_gcs_rewriting_the_same_pack_at_once_both_finish(tmp_path):
     with cas.open(path, chunk_size=64 << 10, pack_max=1 << 20) as store:
         store.save(state_of([1, 2]), step=1)
         store.save(state_of([2, 3]), step=2)
-        store.forget([1])
+        store.delete([1])
     a = spawn("gc", path, faults=f"gc.repack=pause:{go_a}")
     wait_reached(go_a, a)
     b = spawn("gc", path, faults=f"gc.repack_reading=pause:{go_b}")
@@ -247,7 +247,7 @@ def test_a_reader_on_a_read_only_mount_reads_one_consistent_index_while_a_writer
         with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
             for step in range(4, 10):
                 store.save(state_of([step, step + 20]), step=step)
-                store.forget([step - 4]) if step < 7 else None
+                store.delete([step - 4]) if step < 7 else None
                 store.gc()
         open(flag, "w").close()
         same, loaded = finish(reader).split("\n")[:2]

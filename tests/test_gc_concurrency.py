@@ -168,7 +168,7 @@ def test_a_sweep_stopped_in_any_batch_leaves_no_delta_file_without_its_base(tmp_
         with cas.open(path, chunk_size=64 << 10, pack_max=0, delta=True, max_chain=2) as store:
             store.save({"w": states[0]}, step=1)
             store.save({"w": states[1]}, step=2)
-            store.forget([1, 2])
+            store.delete([1, 2])
             faults.configure(f"gc.sweep_batch=raise@{k}")
             try:
                 store.gc()
@@ -330,7 +330,7 @@ def test_repair_indexes_the_live_copy_not_a_dead_delta_entry_a_killed_gc_left_in
         store.save({"w": trajectory(1), "o": tensor(5, rows=4)}, step=2)  # deltas of step 1's chunks, packed
     with cas.open(path) as store:
         store.save({"o": tensor(5, rows=4)}, step=3)  # keeps step 2's pack partly live
-        store.forget([1, 2])
+        store.delete([1, 2])
     gc_run = spawn("gc", path, faults="gc.repack=kill@1")
     gc_run.communicate(timeout=120)
     assert gc_run.returncode == -9

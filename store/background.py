@@ -1,0 +1,105 @@
+"""Saves that run in the background (Store.save_async): one thread writes them in call order,
+at most `max_inflight` at once, each from a host-memory snapshot taken at the call.
+
+A failure is the caller's through the save's future; one that nobody looked at is raised by
+the store's next call (save, wait or close) instead of being lost.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from cas import faults
+
+from .registry import Checkpoint
+from .staging import StagingArena
+
+
+class SaveFuture(concurrent.futures.Future):
+    """The result of save_async: result() gives the Checkpoint or raises the save's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._observed = False
+
+    def result(self, timeout=None):
+        self._observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._observed = True
+        return super().exception(timeout)
+
+    def unobserved_exception(self) -> BaseException | None:
+        if self._observed or not self.done():
+            return None
+        return super().exception()
+
+
+class BackgroundSaves:
+    """The store's background save thread, its futures and its reused snapshot buffers."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
+        self._inflight: list[SaveFuture] = []
+        self.steps: set[int] = set()  # steps of saves not finished yet
+        self._arenas: list[StagingArena] = []
+
+    def make_room(self, max_inflight: int) -> None:
+        """Wait until fewer than `max_inflight` saves are in flight; raise unobserved failures."""
+        self.raise_unobserved()
+        while len(self._inflight) >= max_inflight:
+            concurrent.futures.wait(self._inflight, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.raise_unobserved()
+
+    def submit(self, step: int, leaves: list, write: Callable[[], Checkpoint]) -> SaveFuture:
+        """Snapshot the tensors of `leaves` into host memory, then run `write` in the background."""
+        arena = self._arenas.pop() if self._arenas else StagingArena()
+        arena.stage(leaves)
+        faults.point("save.staged")
+        future = SaveFuture()
+        self._inflight.append(future)
+        self.steps.add(step)
+
+        def run() -> None:
+            result, failure = None, None
+            try:
+                result = write()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                failure = exc
+            finally:  # before the future completes: its waiter may save this step again at once
+                for leaf in leaves:
+                    leaf.staged = None
+                self._arenas.append(arena)
+                self.steps.discard(step)
+            if failure is None:
+                future.set_result(result)
+            else:
+                future.set_exception(failure)
+
+        self._executor.submit(run)
+        return future
+
+    def wait(self) -> None:
+        """Block until every save in flight is done."""
+        concurrent.futures.wait(list(self._inflight))
+
+    def raise_unobserved(self) -> None:
+        """Raise the failures of finished saves that nobody looked at: the first, with the
+        others named in its notes (each is raised once)."""
+        failures = []
+        for future in [f for f in self._inflight if f.done()]:
+            self._inflight.remove(future)
+            if future.unobserved_exception() is not None:
+                failures.append(future.exception())
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"another background save failed too: {type(other).__name__}: {other}")
+            raise first
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._arenas.clear()

@@ -1,0 +1,127 @@
+"""The options of a store, declared and validated once (as orbax's CheckpointManagerOptions),
+and the checks of a save's own arguments (metrics, meta).
+
+`cas.open(path, **options)` and DCP's `CasWriter(path, step=..., **options)` take the same
+option names with the same meaning; a value either refuses is refused in the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+
+from cas.codecs import checked_level
+from cas.errors import CasError
+from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
+
+from .values import check_texts, checked_text, pack
+
+DEFAULT_WINDOW_BYTES = 256 << 20
+DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
+DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a store is opened and how it saves.
+
+    create: make the store when the path is missing or an empty folder. readonly: change
+    nothing. chunk_size: fixed when the store is created (default 4 MiB). compress,
+    compression_level: zstd (level 1 by default). workers: hashing and encoding threads
+    (default: the CPU count; loads use twice as many). window_bytes: chunk bytes in flight
+    while saving. pack_max: encoded objects up to this size share pack files. max_inflight:
+    save_async calls in flight at once. delta: code changed floating-point chunks against the
+    previous save; max_chain: how deep such chains may grow; delta_memory: bytes of the last
+    save kept in memory for that (None: all of them; the rest is read back from the store).
+    """
+
+    create: bool = True
+    readonly: bool = False
+    chunk_size: int | None = None
+    compress: bool = True
+    compression_level: int = 1
+    workers: int | None = None
+    window_bytes: int = DEFAULT_WINDOW_BYTES
+    pack_max: int = DEFAULT_PACK_MAX
+    max_inflight: int = 1
+    delta: bool = False
+    max_chain: int = DEFAULT_MAX_CHAIN
+    delta_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        checked_level(self.compression_level)
+        if type(self.max_chain) is not int or not 0 <= self.max_chain <= MAX_CHAIN_DECODE:
+            # chains deeper than MAX_CHAIN_DECODE are refused on restore, as cycles
+            raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {self.max_chain!r}")
+        if self.delta_memory is not None and (type(self.delta_memory) is not int or self.delta_memory < 0):
+            raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {self.delta_memory!r}")
+        if type(self.max_inflight) is not int or self.max_inflight < 1:
+            raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {self.max_inflight!r}")
+        if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
+            raise CasError(f"workers must be an int >= 1 or None, got {self.workers!r}")
+        for name in ("window_bytes", "pack_max"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise CasError(f"{name} must be a number of bytes (an int >= 0), got {value!r}")
+
+    @classmethod
+    def of(cls, options: "StoreOptions | None" = None, **overrides) -> "StoreOptions":
+        """`options` (or the defaults) with `overrides` applied; an unknown name is a TypeError
+        that names it and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown store option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **overrides) if overrides else base
+
+    def worker_count(self, cap: int | None = None) -> int:
+        """The threads to use: `workers`, or the CPU count (at most `cap` when given)."""
+        if self.workers is not None:
+            return self.workers
+        count = os.cpu_count() or 2
+        return min(count, cap) if cap is not None else count
+
+
+def checked_metrics(metrics) -> dict:
+    """A save's metrics as the registry record holds them: str keys, one number each."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise TypeError("metrics must be a dict with str keys")
+    out = {}
+    for k, v in metrics.items():
+        checked_text(k, "a metrics key")
+        if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
+            if v.size != 1 if isinstance(v, (np.ndarray, np.generic)) else v.numel() != 1:
+                raise TypeError(f"metric {k!r} must be one number, got a {type(v).__name__} of shape {tuple(v.shape)}")
+            v = v.item()
+        if type(v) is bool or not isinstance(v, (int, float)):
+            raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
+        if not isinstance(v, float) and not -(1 << 63) <= v < 1 << 64:  # what a registry record holds
+            raise TypeError(f"metric {k!r} is an int beyond 64 bits; give it as a float")
+        out[k] = float(v) if isinstance(v, float) else int(v)
+    return out
+
+
+def checked_meta(meta) -> dict:
+    """A copy of a save's meta, checked to pack as the registry record and commit node hold it
+    (the caller of save_async may change its dict once the call returns)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError("meta must be a dict")
+    try:
+        plain = msgpack.packb(meta, use_bin_type=True)  # as the registry record holds it
+        pack(meta)  # and the commit node
+        return msgpack.unpackb(plain, raw=False, strict_map_key=False)
+    except (TypeError, ValueError, OverflowError) as exc:  # a tuple key comes back unhashable, say
+        if isinstance(exc, UnicodeEncodeError):  # a lone surrogate: name where it sits
+            check_texts(meta, "meta")  # (msgpack got that far, so this walk stays within its nesting limit)
+        raise TypeError(f"meta must hold plain values (str, 64-bit ints, floats, bools, None, lists, dicts "
+                        f"with str or int keys): {exc}") from None

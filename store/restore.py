@@ -1,0 +1,101 @@
+"""Restoring stateful objects (modules, optimizers, schedulers, ...) in place from a checkpoint.
+
+Tensors are decoded straight into the targets' own tensors where dtype and shape match, so no
+second full copy of a model is held. A failed restore must leave the model as it was: modules
+are checked against the checkpoint before any byte is decoded, and restored last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parameter import is_lazy
+
+from cas.errors import CheckpointNotFoundError, StateMismatchError
+
+from . import tensors
+from .reader import CheckpointReader
+from .training import is_stateful
+from .tree import walk_value
+
+
+def restore(reader: CheckpointReader, targets: dict) -> dict:
+    """Restore `targets` (top-level entry -> stateful object) from the reader's checkpoint; see
+    Store.restore. Returns the checkpoint's top-level entries, each stateful target in place of
+    its state dict."""
+    if not isinstance(targets, dict):
+        raise TypeError("restore takes a dict of targets, like the state that was saved")
+    top = reader.top()
+    missing = [k for k in targets if not isinstance(top, dict) or k not in top]
+    if missing:
+        have = list(top) if isinstance(top, dict) else []
+        raise CheckpointNotFoundError(f"checkpoint step {reader.step} has no entries {missing} to restore "
+                                      f"into (it has {have})")
+    own_of: dict = {}  # target key -> {tensor path: its tensor}, for the targets decoded into
+    modules: dict = {}  # module targets' keys -> their tensors (checked against the checkpoint)
+    for key, target in targets.items():
+        if not is_stateful(target):
+            continue
+        own: dict[str, torch.Tensor] = {}
+        walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
+        lazy = any(is_lazy(t) for t in own.values())  # load_state_dict gives a lazy module its shapes
+        if isinstance(target, torch.nn.Module):
+            modules[key] = {} if lazy else own
+        if not lazy:
+            own_of[key] = own
+    if modules:
+        check_modules_fit(reader, {k: own for k, own in modules.items() if own})
+    into = split_targets(own_of)
+    if not isinstance(top, dict):  # no targets (a dict of targets names top-level entries)
+        return reader.materialize()
+    # Everything but the modules first: an optimizer or scheduler that refuses its state
+    # (another number of parameter groups, say) then leaves the model untouched.
+    first = [k for k in top if k not in modules]
+    loaded = reader.materialize(first, into) if first else {}
+    load_targets(targets, loaded, reader.step)
+    if modules:
+        loaded.update(reader.materialize(list(modules), into))
+        load_targets(targets, loaded, reader.step)
+    return {k: loaded[k] for k in top}
+
+
+def load_targets(targets: dict, loaded: dict, step: int) -> None:
+    """Hand each stateful target its loaded state (once), and put the target in its place.
+    A target that refuses its state is named in a StateMismatchError."""
+    for key, target in targets.items():
+        if is_stateful(target) and key in loaded and loaded[key] is not target:
+            try:
+                target.load_state_dict(loaded[key])
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                raise StateMismatchError(f"restore target {key!r} refused the state of checkpoint step {step}: "
+                                         f"{exc}") from exc
+            loaded[key] = target
+
+
+def check_modules_fit(reader: CheckpointReader, modules: dict) -> None:
+    """Refuse, before any byte is decoded into them, module targets whose tensors
+    load_state_dict would refuse (a missing or unexpected name, another shape): a failed
+    restore must leave the model as it was."""
+    for key, own in modules.items():
+        theirs = {path: leaf.node for path, leaf in reader.tensor_leaves([key]).items()}
+        missing = sorted(set(own) - set(theirs))
+        unexpected = sorted(set(theirs) - set(own))
+        shapes = sorted(p for p in set(own) & set(theirs)  # a module's extra state may change its shape
+                        if list(own[p].shape) != theirs[p]["shape"] and "_extra_state" not in p.split("."))
+        if missing or unexpected or shapes:
+            what = "; ".join(f"{label}: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}"
+                             for label, paths in (("not in the checkpoint", missing),
+                                                  ("not in the module", unexpected),
+                                                  ("of another shape", shapes)) if paths)
+            raise StateMismatchError(f"{key!r} does not fit checkpoint step {reader.step} ({what}); nothing was "
+                                     "restored")
+
+
+def split_targets(own_of: dict) -> dict:
+    """Per target key, the tensors to decode into, minus each one whose memory an earlier one
+    (of any target) shares: two decodes must never write the same bytes at once."""
+    flat = {(key, path): t for key, own in own_of.items() for path, t in own.items()}
+    kept = tensors.without_shared_memory(flat)
+    out: dict = {}
+    for (key, path), t in kept.items():
+        out.setdefault(key, {})[path] = t
+    return out
