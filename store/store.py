@@ -25,7 +25,7 @@ from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, Read
 from cas.hashing import hash_bytes
 from cas.index import WHERE_PACK
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE, ObjectStore
 from cas.packs import PackFiles
 
