@@ -4,10 +4,15 @@
     with cas.open("runs/exp1/ckpt") as store:
         store.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
         state = store.load()
+
+The names that need torch (cas.Store, cas.Checkpoint, ...) load on first use (PEP 562), so
+the storage layer (cas.hashing, cas.objectstore, ...) imports, and is tested, without torch,
+cas.store or cas.gc.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
@@ -15,12 +20,36 @@ from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, C
                      RetentionRefusedError, StateMismatchError, StoreClosedError, StoreWriteError,
                      UnsupportedFilesystemError)
 
-from .api import Store
-from .gc import GcReport, Retention
-from .store import Checkpoint, StoreStats, VerifyReport
-from .store.training import ResumableRandomSampler, RNGState
-
 __version__ = "0.1.0"
+
+# name -> the module it comes from, imported when the name is first asked for
+_LAZY = {
+    "Store": "cas.api",
+    "GcReport": "cas.gc",
+    "Retention": "cas.gc",
+    "Checkpoint": "cas.store",
+    "StoreStats": "cas.store",
+    "VerifyReport": "cas.store",
+    "RNGState": "cas.store.training",
+    "ResumableRandomSampler": "cas.store.training",
+}
+# subpackages that `import cas` used to import, so that `cas.store.X` after `import cas` works
+_SUBMODULES = frozenset({"api", "store", "gc"})
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
 def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builtin on purpose
@@ -31,6 +60,8 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
     window_bytes (in-flight chunk bytes while saving, default 256 MiB), retention (a
     cas.gc.Retention applied after every save).
     """
+    from .api import Store
+
     return Store(path, **options)
 
 

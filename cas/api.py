@@ -13,6 +13,7 @@ from typing import Iterator
 
 from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
+from .progress import ProgressCallback
 from .store import Checkpoint, interop
 from .store import Store as CheckpointStore
 
@@ -27,8 +28,8 @@ class Store(CheckpointStore):
         self.retention = retention
         self._retention_paused = 0
 
-    def gc(self, retention: Retention | None = None, *, dry_run: bool = False, progress=None,
-           **rules) -> GcReport:
+    def gc(self, retention: Retention | None = None, *, dry_run: bool = False,
+           progress: ProgressCallback | None = None, **rules) -> GcReport:
         """Remove the checkpoints no rule keeps, then sweep every unreferenced object.
 
         Rules come as a Retention or as its keywords (keep_last=5, keep_milestones=True, ...);
@@ -49,7 +50,7 @@ class Store(CheckpointStore):
         return self.set_pinned(step, False)
 
     def export(self, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
-               progress: interop.Progress | None = None) -> interop.ExportReport:
+               progress: ProgressCallback | None = None) -> interop.ExportReport:
         """Write checkpoint `step`'s tensors to one safetensors file for serving or evaluation.
         A weights-only export, NOT a training checkpoint (see cas.store.interop.export)."""
         self._check_open()
@@ -62,7 +63,7 @@ class Store(CheckpointStore):
         return interop.import_file(self, path, step=step)
 
     def import_folder(self, folder: str | os.PathLike, *,
-                      progress: interop.Progress | None = None) -> interop.FolderImport:
+                      progress: ProgressCallback | None = None) -> interop.FolderImport:
         """Import a folder of checkpoint files, one per step, each step from the file's name.
         All or nothing: retention waits until every file is in (run after each file, it removed
         the store's older checkpoints and then the import's own, which a refused file then
@@ -84,13 +85,13 @@ class Store(CheckpointStore):
         finally:
             self._retention_paused -= 1
 
-    def diff(self, a: int, b: int, *, progress: interop.Progress | None = None) -> interop.DiffReport:
+    def diff(self, a: int, b: int, *, progress: ProgressCallback | None = None) -> interop.DiffReport:
         """Per tensor path, what changed from checkpoint `a` to `b`, and the stored bytes they share."""
         self._check_open()
         return interop.diff(self, a, b, Marker, progress=progress)
 
     def exclusive_bytes(self, checkpoints: list[Checkpoint] | None = None, *,
-                        progress: interop.Progress | None = None) -> dict[int, int]:
+                        progress: ProgressCallback | None = None) -> dict[int, int]:
         """Per step, the stored bytes only that checkpoint references: what deleting it would free."""
         self._check_open()
         return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)

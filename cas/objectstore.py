@@ -30,7 +30,7 @@ from .codecs import CodecPolicy, decode_into, parse_header, scratch
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
-from .objects import FileObjects
+from .objectfiles import FileObjects
 from .packs import PACK_TARGET, PackFiles
 
 T = TypeVar("T")

@@ -1,15 +1,22 @@
-"""Progress bars for a person watching: one tqdm bar per phase on stderr, only when stderr is a
-terminal and the output is not JSON. Library calls take any `progress(phase, done, total)`
-callable (total 0: unknown); this is the one the CLI passes."""
+"""Progress: the callback type library calls take, and the CLI's bars.
+
+Library calls (export, import, diff, gc, verify) take any `progress(phase, done, total)`
+callable, a ProgressCallback (total 0: unknown). ProgressBar is the one the CLI passes: one
+tqdm bar per phase on stderr, only when stderr is a terminal and the output is not JSON (tqdm
+is imported only when a bar is drawn)."""
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
+
+ProgressCallback = Callable[[str, int, int], None]  # (phase, done, total or 0)
 
 
-class Progress:
+class ProgressBar:
+    """A ProgressCallback drawing one tqdm bar per phase (nothing when not enabled)."""
+
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar = None
@@ -35,8 +42,8 @@ class Progress:
 
 
 @contextmanager
-def progress_for(args) -> Iterator[Progress]:
-    progress = Progress(sys.stderr.isatty() and not getattr(args, "json", False))
+def progress_for(args) -> Iterator[ProgressBar]:
+    progress = ProgressBar(sys.stderr.isatty() and not getattr(args, "json", False))
     try:
         yield progress
     finally:

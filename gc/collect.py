@@ -19,7 +19,6 @@ import errno
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
@@ -27,6 +26,7 @@ from cas.fsutil import pid_alive
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER
+from cas.progress import ProgressCallback
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -34,7 +34,6 @@ from .retention import Retention
 
 SWEEP_BATCH = 512
 MARK_ATTEMPTS = 5  # marks restarted because another process removed checkpoints meanwhile
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -84,7 +83,7 @@ class Marker:
         self.live: set[bytes] = set()
         self.roots: set[bytes] = set()
 
-    def mark(self, roots, progress: Progress | None = None) -> None:
+    def mark(self, roots, progress: ProgressCallback | None = None) -> None:
         stack = [r for r in roots if r not in self.live]
         self.roots.update(roots)
         chunks_seen: list[bytes] = []
@@ -130,7 +129,7 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
-            progress: Progress | None = None) -> GcReport:
+            progress: ProgressCallback | None = None) -> GcReport:
     """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
     then sweep. A policy refused for these checkpoints (RetentionRefusedError) removes and
     sweeps nothing."""
@@ -155,7 +154,7 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
 
 
 def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = frozenset(),
-          progress: Progress | None = None) -> None:
+          progress: ProgressCallback | None = None) -> None:
     """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest.
     When another process removes checkpoints while this one marks them, the mark starts over
     from the registry (a few times at most); a sweep batch under way starts over the same way."""
@@ -171,7 +170,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
 
 
 def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes],
-                progress: Progress | None) -> None:
+                progress: ProgressCallback | None) -> None:
     t0 = time.perf_counter()
     store.ensure_cache()  # mark from a registry proven to match the store's record log (it may reopen the index)
     index, files = store.index, store.objects.files

@@ -91,7 +91,7 @@ from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, Missi
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 from cas.objectstore import MAX_CHAIN_DECODE, WriteSession, decode_chain, last_below
 
 from . import dcp_bases

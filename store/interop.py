@@ -24,7 +24,7 @@ import re
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -32,13 +32,12 @@ import torch
 from cas import faults
 from cas.errors import CasError
 from cas.fsutil import fsync_dir, tmp_name
+from cas.progress import ProgressCallback
 
 from .reader import Leaf
 from .registry import Checkpoint, exists_error
 from .tensors import TORCH_DTYPES
 from .values import numpy_dtype
-
-Progress = Callable[[str, int, int], None]  # (phase, done, total or 0), as gc's progress
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -99,7 +98,7 @@ def safetensors_dtypes() -> frozenset:
 
 
 def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
-           progress: Progress | None = None) -> ExportReport:
+           progress: ProgressCallback | None = None) -> ExportReport:
     """Write checkpoint `step`'s tensors (or those under the top-level `keys`) to one
     safetensors file, names flattened with dots ("model.layer.weight"), for serving or
     evaluation. It is a weights-only artifact, not a training checkpoint: non-tensor values are
@@ -357,7 +356,7 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def import_folder(store, folder: str | os.PathLike, *, progress: Progress | None = None) -> FolderImport:
+def import_folder(store, folder: str | os.PathLike, *, progress: ProgressCallback | None = None) -> FolderImport:
     """Import every checkpoint file of a folder (one file per step, the step from each name).
     Files an earlier, interrupted run of the same import committed are skipped (and reported)."""
     files, ignored = plan_folder(store, os.fspath(folder))
@@ -427,7 +426,7 @@ def _json_number(x: float | None):
     return x if x is None or np.isfinite(x) else str(x)
 
 
-def diff(store, a: int, b: int, marker_cls, *, progress: Progress | None = None) -> DiffReport:
+def diff(store, a: int, b: int, marker_cls, *, progress: ProgressCallback | None = None) -> DiffReport:
     """Compare checkpoint `a` with checkpoint `b`, per tensor path. Chunk keys tell what changed
     without reading tensor bytes; only changed floating tensors are loaded, for the max abs diff."""
     reader_a, reader_b = store.reader(a), store.reader(b)
@@ -542,7 +541,8 @@ class _FirstReach(set):
         return self
 
 
-def _first_reachers(store, cks: list[Checkpoint], marker_cls, progress: Progress | None) -> dict[bytes, int]:
+def _first_reachers(store, cks: list[Checkpoint], marker_cls,
+                    progress: ProgressCallback | None) -> dict[bytes, int]:
     """For each object, the step of the first checkpoint in `cks` that references it: one Marker
     marks the roots in turn, and a root's walk stops where an earlier root's walk went."""
     marker = marker_cls(store)
@@ -554,7 +554,7 @@ def _first_reachers(store, cks: list[Checkpoint], marker_cls, progress: Progress
 
 
 def exclusive_bytes(store, marker_cls, checkpoints: list[Checkpoint] | None = None, *,
-                    progress: Progress | None = None) -> dict[int, int]:
+                    progress: ProgressCallback | None = None) -> dict[int, int]:
     """Per checkpoint step, the stored bytes of the objects no other checkpoint references: what
     deleting it (then gc) would free. Marking oldest-first gives each object's first referencing
     checkpoint, newest-first its last; an object is exclusive when the two are the same. Each

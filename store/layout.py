@@ -2,7 +2,7 @@
 
     <root>/config        b"cas-store\\n" + msgpack {"format", "chunk_size", "created", "store_id"}
     <root>/index/        the LMDB environment (cas.index)
-    <root>/objects/ab/…  large objects, one file each (cas.objects)
+    <root>/objects/ab/…  large objects, one file each (cas.objectfiles)
     <root>/packs/ab/…    small objects, many to a pack file (cas.packs)
     <root>/log/…         the record log: every registry change, one immutable entry each (store/records.py)
     <root>/leases/…      writers in progress, each a file its holder keeps flock'd (cas.localfs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from cas.errors import BlobAbsentError, CorruptionError
 from cas.index import WHERE_PACK, Index
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 from cas.packs import PackFiles
 
 from . import layout as L

@@ -22,7 +22,7 @@ from cas.errors import (CasError, CheckpointNotFoundError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
 

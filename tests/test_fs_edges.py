@@ -19,7 +19,7 @@ import cas
 from cas.errors import UnsupportedFilesystemError
 from cas.fsutil import rename_noreplace
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,70 +1,17 @@
-"""The `cas` command line.
+"""The `cas` commands on one store: ls, show, verify, du, rm, pin, unpin, gc, repair, milestone.
 
-The store comes from `--store PATH` (before or after the command name), else $CAS_STORE, else
-the current folder. Exit status: 0 fine, 1 a check found a problem, 2 usage error or bad input,
-always with a one-line message and no traceback.
+Each registers with base.command; the interop commands (export, import, diff) are in interop.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
 import sys
-from typing import Callable
 
-from .errors import CasError
-from .progress import progress_for
+from cas.errors import CasError
+from cas.progress import progress_for
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
-COMMANDS: dict[str, Callable] = {}
-
-
-def command(name: str, help: str, arguments: Callable | None = None, *, read_only: bool = False,
-            opens_store: bool = True, creates_store: bool = False):
-    """Register `fn(store, args) -> exit status` as `cas NAME`; `arguments(parser)` adds its
-    flags. With opens_store=False it gets the store's path instead (for repair, which must run
-    when the store cannot be opened); with creates_store=True a missing or empty folder becomes
-    a new store (for import). Commands may live in other modules that import this one."""
-    def register(fn):
-        fn.cli_name, fn.cli_help, fn.cli_arguments, fn.cli_read_only = name, help, arguments, read_only
-        fn.cli_opens_store, fn.cli_creates_store = opens_store, creates_store
-        COMMANDS[name] = fn
-        return fn
-    return register
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _emit_json(data) -> None:
-    """Standard JSON (what jq and other strict parsers read): a NaN or infinite metric, as a
-    diverged run logs, is written as the string "nan", "inf" or "-inf"."""
-    json.dump(_finite(data), sys.stdout, indent=2, default=str, allow_nan=False)
-    sys.stdout.write("\n")
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _step(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a step is an integer, not {text!r}") from None
+from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, usage_error
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -72,11 +19,11 @@ def _add_ls(p) -> None:
     p.add_argument("--json", action="store_true", help="print as JSON")
 
 def _add_show(p) -> None:
-    p.add_argument("step", type=_step)
+    p.add_argument("step", type=parse_step)
     p.add_argument("--json", action="store_true")
 
 def _add_verify(p) -> None:
-    p.add_argument("step", type=_step, nargs="?")
+    p.add_argument("step", type=parse_step, nargs="?")
     p.add_argument("--quick", action="store_true",
                    help="check chunks for presence, size and header only (a damaged payload passes)")
     p.add_argument("--json", action="store_true")
@@ -85,7 +32,7 @@ def _add_du(p) -> None:
     p.add_argument("--json", action="store_true")
 
 def _add_step(p) -> None:
-    p.add_argument("step", type=_step)
+    p.add_argument("step", type=parse_step)
 
 def _add_gc(p) -> None:
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest checkpoints")
@@ -98,7 +45,7 @@ def _add_gc(p) -> None:
     p.add_argument("--json", action="store_true")
 
 def _add_milestone(p) -> None:
-    p.add_argument("step", type=_step)
+    p.add_argument("step", type=parse_step)
     p.add_argument("--unset", action="store_true")
 
 
@@ -107,9 +54,9 @@ def _add_milestone(p) -> None:
          "(what deleting it would free)", _add_ls, read_only=True)
 def cmd_ls(store, args) -> int:
     cks = store.checkpoints()
-    exclusive = cli_interop.exclusive_column(store, cks, args)  # what deleting each would free
+    exclusive = exclusive_column(store, cks, args)  # what deleting each would free
     if args.json:
-        _emit_json([dict(ck.to_json(), exclusive_bytes=exclusive.get(ck.step)) for ck in cks])
+        emit_json([dict(ck.to_json(), exclusive_bytes=exclusive.get(ck.step)) for ck in cks])
         return EXIT_OK
     if not cks:
         print(f"no checkpoints in {store.path}")
@@ -124,6 +71,16 @@ def cmd_ls(store, args) -> int:
     return EXIT_OK
 
 
+def exclusive_column(store, cks, args) -> dict[int, int]:
+    """Bytes only each checkpoint holds, for `cas ls`. Empty (shown as "?") with a warning when a
+    manifest node cannot be read, so that ls still lists a damaged store."""
+    try:
+        with progress_for(args) as progress:
+            return store.exclusive_bytes(cks, progress=progress)
+    except CasError as exc:
+        print(f"cas: warning: cannot tell the bytes only each checkpoint holds: {exc}", file=sys.stderr)
+        return {}
+
 
 @command("show", "show one checkpoint's tensors", _add_show, read_only=True)
 def cmd_show(store, args) -> int:
@@ -137,7 +94,7 @@ def cmd_show(store, args) -> int:
              "max_chain_depth": max((depth[k] for k in t["chunks"]), default=0)}
             for t in tensors]
     if args.json:
-        _emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
+        emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
         return EXIT_OK
     print(f"checkpoint {ck.step}  id {ck.id}")
     print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
@@ -155,7 +112,6 @@ def cmd_show(store, args) -> int:
     return EXIT_OK
 
 
-
 # Opened for writing where it can be (it falls back to read-only by itself): what it finds is
 # recorded in the index, so that saves stop building on it.
 @command("verify", "check every object of one or all checkpoints against its hash", _add_verify)
@@ -163,7 +119,7 @@ def cmd_verify(store, args) -> int:
     with progress_for(args) as progress:
         report = store.verify(args.step, quick=args.quick, progress=progress)
     if args.json:
-        _emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
+        emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
                     "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
@@ -194,7 +150,6 @@ def _verify_notes(report) -> list[str]:
     return notes
 
 
-
 @command("du", "disk usage: logical against stored bytes", _add_du, read_only=True)
 def cmd_du(store, args) -> int:
     s = store.stats()
@@ -202,7 +157,7 @@ def cmd_du(store, args) -> int:
     data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
             "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3), "codecs": codecs}
     if args.json:
-        _emit_json(data)
+        emit_json(data)
     else:
         print(f"checkpoints   {s.num_checkpoints}")
         print(f"logical       {human(s.logical_bytes)}  (what separate full copies would hold)")
@@ -224,7 +179,6 @@ def cmd_rm(store, args) -> int:
     return EXIT_OK
 
 
-
 @command("pin", "pin a checkpoint: a legal hold that no rule and no rm removes", _add_step)
 def cmd_pin(store, args) -> int:
     store.pin(args.step)
@@ -241,24 +195,21 @@ def cmd_unpin(store, args) -> int:
 
 @command("gc", "apply retention rules, then reclaim the space of unreferenced objects", _add_gc)
 def cmd_gc(store, args) -> int:
-    from .gc import Retention
+    from cas.gc import Retention
 
     rules = dict(keep_last=args.keep_last, keep_milestones=args.keep_milestones, keep_every=args.keep_every,
                  keep_best=args.keep_best, keep_within=args.keep_within)
     retention = Retention(**rules)
     if retention.has_rules and args.keep_all:
-        print("cas: error: --keep-all removes no checkpoint; it cannot be combined with retention rules",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("--keep-all removes no checkpoint; it cannot be combined with retention rules")
     if not retention.has_rules and not args.keep_all:
-        print("cas: error: gc needs at least one rule (--keep-last N, --keep-milestones, --keep-every K, "
-              "--keep-best METRIC:min|max:N, --keep-within 2d, or --keep-all to only reclaim garbage); "
-              "refusing to delete every checkpoint", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("gc needs at least one rule (--keep-last N, --keep-milestones, --keep-every K, "
+                           "--keep-best METRIC:min|max:N, --keep-within 2d, or --keep-all to only reclaim "
+                           "garbage); refusing to delete every checkpoint")
     with progress_for(args) as progress:
         report = store.gc(retention if retention.has_rules else None, dry_run=args.dry_run, progress=progress)
     if args.json:
-        _emit_json(report.to_json())
+        emit_json(report.to_json())
         return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     lines = [(ck.step, f"kept     {ck.step:>10}  ({', '.join(rules)})") for ck, rules in report.kept]
@@ -273,11 +224,10 @@ def cmd_gc(store, args) -> int:
     return EXIT_OK
 
 
-
 @command("repair", "quarantine damaged objects, then rebuild the index and registry from the objects "
          "on disk (run with no writers)", opens_store=False)
 def cmd_repair(path: str, args) -> int:
-    from .store.repair import repair
+    from cas.store.repair import repair
 
     _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
     report = repair(path)
@@ -294,7 +244,7 @@ def cmd_repair(path: str, args) -> int:
 def _quarantine(path: str) -> None:
     """Move the objects verify or a load found damaged to quarantine/ and report them; an index
     that does not open is the rebuild's to handle (its damage records go with it)."""
-    from .store.quarantine import quarantine_damaged
+    from cas.store.quarantine import quarantine_damaged
 
     try:
         report = quarantine_damaged(path)
@@ -311,89 +261,3 @@ def cmd_milestone(store, args) -> int:
     ck = store.set_milestone(args.step, not args.unset)
     print(f"checkpoint {ck.step} is {'now' if ck.milestone else 'no longer'} a milestone")
     return EXIT_OK
-
-
-
-
-
-from . import cli_interop  # noqa: F401,E402
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cas", description="Content-addressed checkpoint store.")
-    parser.add_argument("--store", help="store folder (default: $CAS_STORE, else the current folder)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, fn in COMMANDS.items():
-        p = sub.add_parser(name, help=fn.cli_help, description=fn.cli_help)
-        p.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        if fn.cli_arguments:
-            fn.cli_arguments(p)
-    return parser
-
-
-def _run_on_store(fn, store_cls, path: str, args) -> int:
-    """Run a command on the store at `path`. A command that may create the store (import)
-    and fails leaves no store behind that it created: bad input changes nothing."""
-    existed = os.path.lexists(path)
-    code, created = EXIT_USAGE, False
-    try:
-        with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
-            created = store.created  # by this open, under the creation lock: not another process's
-            code = fn(store, args)
-    finally:
-        if created and code != EXIT_OK:
-            with store_cls(path, create=False) as store:
-                empty = not store.checkpoints()
-            if empty:
-                _remove_new_store(path, remove_folder=not existed)
-    return code
-
-
-def _remove_new_store(path: str, *, remove_folder: bool) -> None:
-    """Remove a store this command created and left empty: only its own layout, never a file
-    the user put there; the folder itself only if this command made it and it is empty."""
-    import shutil
-
-    from .store.layout import CONFIG_NAME, CREATE_LOCK, LAYOUT_FOLDERS
-
-    for name in (CONFIG_NAME, CREATE_LOCK, *LAYOUT_FOLDERS):
-        target = os.path.join(path, name)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target, ignore_errors=True)
-        elif os.path.lexists(target):
-            os.unlink(target)
-    if remove_folder:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    path = args.store or os.environ.get("CAS_STORE") or os.getcwd()
-    try:
-        from .api import Store
-
-        fn = COMMANDS[args.command]
-        if not fn.cli_opens_store:
-            return fn(path, args)
-        return _run_on_store(fn, Store, path, args)
-    except BrokenPipeError:  # `cas ls | head`: the reader left; that is not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    except (CasError, OSError) as exc:
-        print(f"cas: error: {exc}", file=sys.stderr)
-        for note in getattr(exc, "__notes__", ()):
-            print(f"cas: {note}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("cas: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    # Run as `python -m cas.cli`, this file is __main__; the commands that other modules register
-    # go into the real cas.cli module, so run that one.
-    from cas.cli import main as _main
-
-    sys.exit(_main())

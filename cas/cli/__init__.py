@@ -1,0 +1,58 @@
+"""The `cas` command line.
+
+The store comes from `--store PATH` (before or after the command name), else $CAS_STORE, else
+the current folder. Exit status: 0 fine, 1 a check found a problem, 2 usage error or bad input,
+always with a one-line message and no traceback.
+
+base holds the registry and what commands share; commands and interop register the commands
+by importing it; this module imports all three and runs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cas.errors import CasError
+
+from . import commands, interop  # noqa: F401 - importing them registers their commands
+from .base import COMMANDS, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, run_on_store
+
+__all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cas", description="Content-addressed checkpoint store.")
+    parser.add_argument("--store", help="store folder (default: $CAS_STORE, else the current folder)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, fn in COMMANDS.items():
+        p = sub.add_parser(name, help=fn.cli_help, description=fn.cli_help)
+        p.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        if fn.cli_arguments:
+            fn.cli_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = args.store or os.environ.get("CAS_STORE") or os.getcwd()
+    try:
+        from cas.api import Store
+
+        fn = COMMANDS[args.command]
+        if not fn.cli_opens_store:
+            return fn(path, args)
+        return run_on_store(fn, Store, path, args)
+    except BrokenPipeError:  # `cas ls | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (CasError, OSError) as exc:
+        print(f"cas: error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(f"cas: {note}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("cas: interrupted", file=sys.stderr)
+        return 130
