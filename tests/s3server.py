@@ -119,6 +119,7 @@ class SeaweedServer:
             self._signal(signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+        self._remove_sockets()
 
     def kill(self) -> None:
         """SIGKILL it, as a crash would end it."""
@@ -126,11 +127,22 @@ class SeaweedServer:
             self._signal(signal.SIGKILL)
             self.proc.wait()
             self.proc = None
+            self._remove_sockets()
 
     def restart(self, timeout: float = 30.0) -> None:
         """Stop it if it runs, then start it again on the same data folder and ports."""
         self.stop()
         self.start(timeout)
+
+    def _remove_sockets(self) -> None:
+        """The unix sockets weed leaves in /tmp, named by component and port (ours alone)."""
+        for name, port in self.ports.items():
+            kind = name.replace(".", "-")
+            for path in (f"/tmp/seaweedfs-{kind}-{port}.sock", f"/tmp/seaweedfs-{kind.split('-')[0]}-{port}.sock"):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def _signal(self, sig: int) -> None:
         try:
