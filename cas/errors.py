@@ -95,3 +95,43 @@ class MissingObjectError(CorruptionError):
 
 class BlobAbsentError(MissingObjectError):
     """A backend has no blob under the name asked for (as opposed to one it cannot read)."""
+
+
+class ObjectStoreError(CasError):
+    """An object store (an S3 bucket) refused or could not serve a request. `reason` says which
+    failure it is, for callers that act on it (the CLI's one-line message, retries upstream):
+    'bucket', 'credentials', 'unreachable', 'unavailable' or 'replace'."""
+
+    reason = "unavailable"
+
+
+class BucketMissingError(ObjectStoreError):
+    """The bucket does not exist (NoSuchBucket): create it, or fix the URL."""
+
+    reason = "bucket"
+
+
+class CredentialsError(ObjectStoreError):
+    """The server refused the credentials (403: InvalidAccessKeyId, SignatureDoesNotMatch,
+    AccessDenied) or there were none to send."""
+
+    reason = "credentials"
+
+
+class EndpointUnreachableError(ObjectStoreError):
+    """No connection could be made to the endpoint (refused, no such host, timed out), however
+    often it was retried."""
+
+    reason = "unreachable"
+
+
+class ObjectStoreUnavailableError(ObjectStoreError):
+    """The server kept failing (5xx, 503 SlowDown, connections reset) through every retry."""
+
+    reason = "unavailable"
+
+
+class ReplaceRefusedError(ObjectStoreError):
+    """An object store never replaces a blob in place: the store layer must not ask it to."""
+
+    reason = "replace"
