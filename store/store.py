@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import datetime as _dt
 import os
 import threading
 import time
@@ -22,7 +21,6 @@ from cas import faults
 from cas.codecs import CodecPolicy, checked_level, parse_header
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError, StateMismatchError,
                         StoreClosedError, StoreWriteError)
-from cas.hashing import hash_bytes
 from cas.index import WHERE_PACK
 from cas.localfs import LocalBackend
 from cas.objects import FileObjects
@@ -31,18 +29,19 @@ from cas.packs import PackFiles
 
 from . import cache
 from . import layout as L
+from . import bases as delta_bases
 from . import pipeline, tensors
+from .commit import SaveRecord, commit_save
 from .records import RecordLog
-from .registry import Checkpoint, Registry, add_change, exists_error, remove_change, set_change, step_key
+from .registry import Checkpoint, Registry, exists_error, remove_change, set_change, step_key
 from .staging import StagingArena
 from .training import is_stateful, resolve_stateful
-from .tree import Ref, commit_node, encode_nodes, parse_node, plan, walk_value
-from .values import check_texts, checked_text, numpy_dtype, pack
+from .tree import Ref, encode_nodes, parse_node, plan, walk_value
+from .values import check_texts, checked_text, pack
 from .verify import VerifyReport, record_damage, verify_checkpoints
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
-DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -98,8 +97,8 @@ class Store:
                  workers: int | None = None, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  pack_max: int = DEFAULT_PACK_MAX, max_inflight: int = 1, delta: bool = False,
                  max_chain: int = DEFAULT_MAX_CHAIN, delta_memory: int | None = None) -> None:
-        _checked_max_chain(max_chain)
-        _checked_delta_memory(delta_memory)
+        checked_max_chain(max_chain)
+        checked_delta_memory(delta_memory)
         checked_level(compression_level)
         if type(max_inflight) is not int or max_inflight < 1:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {max_inflight!r}")
@@ -145,9 +144,7 @@ class Store:
         self.max_chain = max_chain
         self.delta_memory = delta_memory  # bytes of the last save kept for deltas; None: all of them
         # the last save's floating tensors; None until the first delta save of this open store
-        self._bases: dict[str, pipeline.BaseTensor] | None = None
-        self._base_arena = StagingArena()
-        self._below_buffer: np.ndarray | None = None  # the bytes `linear` deltas extrapolate from
+        self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
 
@@ -332,8 +329,8 @@ class Store:
         if self.readonly:
             raise ReadOnlyStoreError(f"the store at {self.path} is open read-only; it cannot save step {step}")
         step_key(step)  # type-checks the step before any work
-        metrics = _checked_metrics(metrics)
-        meta = _checked_meta(meta)
+        metrics = checked_metrics(metrics)
+        meta = checked_meta(meta)
         self._reopen_if_orphaned()
         if step in self._inflight_steps or (self.exists(step) and not replacing):
             raise exists_error(step)
@@ -367,75 +364,20 @@ class Store:
                 self._bases = self._latest_bases()
             return self._commit_job(job, self._bases, lambda written: self._remember_bases(job.leaves, written))
 
-    def _latest_bases(self) -> dict[str, pipeline.BaseTensor]:
+    def _latest_bases(self) -> dict[str, delta_bases.TensorBases]:
         """Bases for the first delta save after the store was opened (a resumed run): the chunk
         keys of the latest checkpoint's floating-point tensors, with no bytes in memory; the
         workers read them back from the store, as for delta_memory. Empty when there is none."""
         latest = self.latest()
-        if latest is None:
-            return {}
         try:
-            tensors = self._tensor_nodes(latest.step)
+            return delta_bases.from_nodes(self._tensor_nodes(latest.step)) if latest is not None else {}
         except CasError:  # a damaged manifest is verify's to report; this save is written whole
             return {}
-        return {path: pipeline.BaseTensor(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), None)
-                for path, node in tensors if _floating_node(node) and node["nbytes"] >= DELTA_MIN_BYTES}
 
     def _remember_bases(self, leaves: list, written: dict[bytes, bytes]) -> None:
-        """Remember this save's floating-point tensors: the next save codes its changed chunks
-        against them (sub deltas). Their bytes are copied into a reused buffer up to
-        `delta_memory` (in state order); of the rest only the chunk keys are kept, and the next
-        save's workers decode those bases from the store (bounded memory, a decode per chunk).
-        Within the same budget, the chunks this save wrote as deltas of the last save's kept
-        bytes keep those bytes too (`written`: key -> base key of each delta written): the next
-        save may extrapolate from the two (`linear` deltas)."""
-        floating = [leaf for leaf in leaves if leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES]
-        budget = sum(2 * leaf.nbytes for leaf in floating) if self.delta_memory is None else self.delta_memory
-        kept, used = [], 0
-        for leaf in floating:
-            if used + leaf.nbytes <= budget:
-                kept.append(leaf)
-                used += leaf.nbytes
-        belows = self._keep_belows(kept, written, budget - used)
-        self._bases = {}
-        self._base_arena.stage(kept)
-        copies = {id(leaf): leaf.staged for leaf in kept}
-        self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
-                                                      copies.get(id(leaf)), *belows.get(id(leaf), (None, {})))
-                       for leaf in floating}
-        for leaf in kept:
-            leaf.staged = None
-
-    def _keep_belows(self, kept: list, written: dict[bytes, bytes], budget: int) -> dict[int, tuple]:
-        """id(leaf) -> (bytes, {chunk index: base key}) of the last save's kept bytes of the
-        chunks of `kept` that this save wrote as deltas of them, copied (before the copies of
-        this save replace them) into a reused buffer while they fit in `budget`. (Chunks coded
-        against a chain root keep nothing: extrapolating a root's motion measured no gain.)"""
-        old = self._bases or {}
-        plans, total = [], 0
-        for leaf in kept:
-            prev = old.get(leaf.path)
-            if prev is None or prev.data is None or not prev.matches(leaf) or total + leaf.nbytes > budget:
-                continue
-            moved = {i: prev.keys[i] for i, key in enumerate(leaf.chunks) if written.get(key) == prev.keys[i]}
-            if moved:
-                plans.append((leaf, prev, moved, total))
-                total += leaf.nbytes
-        if not plans:
-            return {}
-        if self._below_buffer is None or self._below_buffer.size < total:
-            # grown with headroom and kept: writing fresh memory is slow on this kind of VM (a
-            # first touch of 70 MB cost 170 ms against 8 ms for a reused buffer)
-            self._below_buffer = None  # release the old one before allocating the larger one
-            self._below_buffer = np.empty(min(total + total // 4, max(budget, total)), dtype=np.uint8)
-        out = {}
-        for leaf, prev, moved, offset in plans:
-            below = self._below_buffer[offset:offset + leaf.nbytes]
-            spans = list(pipeline.chunk_spans(leaf.nbytes, leaf.chunk_size, leaf.skew))
-            for i in moved:
-                below[spans[i][0]:spans[i][1]] = prev.data[spans[i][0]:spans[i][1]]
-            out[id(leaf)] = (below, moved)
-        return out
+        """Remember this save's floating-point tensors for the next save's deltas, within
+        `delta_memory` (store/bases.py; `written`: key -> base key of each delta written)."""
+        self._bases = delta_bases.remember(self._bases, leaves, written, self.delta_memory)
 
     def _commit_job(self, job: "_SaveJob", bases: dict, remember: Callable | None = None) -> Checkpoint:
         """Write and commit one save. With `remember` (delta saves), remember(key -> base key of
@@ -457,36 +399,16 @@ class Store:
             if remembering is not None and remembering.exception() is not None:
                 self._bases = None  # e.g. out of memory for the copies: the next save reads its bases back
         faults.point("save.committed")
-        self._after_commit(ck)
+        self.after_commit(ck)
         return ck
 
     def _commit_nodes(self, job: "_SaveJob", session) -> Checkpoint:
         """Write the save's manifest nodes and commit it, registering the checkpoint."""
         root, nodes = encode_nodes(job.skeleton)
-        logical = sum(leaf.nbytes for leaf in job.leaves)
-        commit = commit_node(step=job.step, created=job.created, milestone=job.milestone, metrics=job.metrics,
-                             meta=job.meta, tree=root, logical_bytes=logical)
-        commit_key = hash_bytes(commit)
-        nodes[commit_key] = commit
-        pipeline.write_blobs(session, nodes, self._pool)
-        faults.point("save.nodes_written")
-
-        def finish(txn) -> Checkpoint:
-            old = self.registry.get(txn, job.step) if job.replacing else None
-            changes = []
-            if old is not None:
-                if old.pinned:
-                    raise CasError(f"checkpoint {job.step} is pinned (a legal hold); it cannot be replaced")
-                changes.append(remove_change(old))
-            ck = Checkpoint(step=job.step, id=commit_key.hex(),
-                            created=_dt.datetime.fromtimestamp(job.created, _dt.timezone.utc),
-                            milestone=job.milestone, metrics=job.metrics, meta=job.meta,
-                            logical_bytes=logical, new_bytes=session.new_bytes)
-            changes.append(add_change(ck, session.packs_written()))
-            seq = self.registry.commit(txn, "replace" if old is not None else "save", changes)
-            return dataclasses.replace(ck, seq=seq)
-
-        return self.commit_session(session, finish)
+        record = SaveRecord(job.step, job.created, job.milestone, job.metrics, job.meta,
+                            sum(leaf.nbytes for leaf in job.leaves))
+        return commit_save(self, session, record, root, nodes, self._pool, "save.nodes_written",
+                           replacing=job.replacing)
 
     def commit_session(self, session, finish: Callable[[object], Checkpoint]) -> Checkpoint:
         """session.commit(finish), where `finish` commits a checkpoint through the registry (its
@@ -515,15 +437,15 @@ class Store:
                 pass
             return logged[0]
 
-    def _after_commit(self, ck: Checkpoint) -> None:
-        """Called after every committed save; the public store applies retention here."""
+    def after_commit(self, ck: Checkpoint) -> None:
+        """Called after every committed save (DCP's too); the public store applies retention here."""
 
     # --- load ---------------------------------------------------------------------------
     def load(self, step: int | None = None, *, keys=None, device: str | torch.device | None = None):
         """Load a checkpoint's state (the latest when `step` is None); with `keys`, only those
         top-level entries are read. Every byte is checked against its hash."""
         self._check_open()
-        ck = self._resolve(step)
+        ck = self.resolve(step)
         state = self._load(ck, keys)
         if device is not None:
             target = torch.device(device)
@@ -546,7 +468,7 @@ class Store:
         self._check_open()
         if not isinstance(targets, dict):
             raise TypeError("restore takes a dict of targets, like the state that was saved")
-        ck = self._resolve(step)
+        ck = self.resolve(step)
         top = self._top_value(ck)
         missing = [k for k in targets if not isinstance(top, dict) or k not in top]
         if missing:
@@ -611,7 +533,7 @@ class Store:
                 raise StateMismatchError(f"{key!r} does not fit checkpoint step {ck.step} ({what}); nothing was "
                                          "restored")
 
-    def _commit(self, ck: Checkpoint) -> dict:
+    def commit_record(self, ck: Checkpoint) -> dict:
         """The commit node a registry record names, which must be that step's commit: a damaged
         or crafted record naming another node, or another step's commit, is refused instead
         of loading what it names."""
@@ -624,7 +546,7 @@ class Store:
         return node
 
     def _top_value(self, ck: Checkpoint):
-        root = self._commit(ck)["tree"]
+        root = self.commit_record(ck)["tree"]
         tree = self._node(root.key, ck.step)
         return tree["v"] if tree["k"] == "value" else root
 
@@ -670,7 +592,9 @@ class Store:
             raise exc.located(step=step, path=path) from None
 
     # --- registry -------------------------------------------------------------------------
-    def _resolve(self, step: int | None) -> Checkpoint:
+    def resolve(self, step: int | None) -> Checkpoint:
+        """The checkpoint at `step`, or the latest when None (CheckpointNotFoundError if none)."""
+        self._check_open()
         with self.index.read() as txn:
             if step is None:
                 ck = self.registry.latest(txn)
@@ -681,7 +605,7 @@ class Store:
 
     def get(self, step: int) -> Checkpoint:
         self._check_open()
-        return self._resolve(step)
+        return self.resolve(step)
 
     def exists(self, step: int) -> bool:
         with self.index.read() as txn:
@@ -763,7 +687,7 @@ class Store:
         `cas repair` quarantines them. `progress(phase, done, total)` is called once per
         checkpoint."""
         self._check_open()
-        cks = [self._resolve(step)] if step is not None else self.checkpoints()
+        cks = [self.resolve(step)] if step is not None else self.checkpoints()
         return verify_checkpoints(self, cks, quick=quick, progress=progress)
 
     def stats(self) -> StoreStats:
@@ -805,7 +729,7 @@ class Store:
     def _tensor_nodes(self, step: int) -> list[tuple[str, dict]]:
         """(path, tensor node) of every tensor of a checkpoint, in state order."""
         self._check_open()
-        return self._nodes_of(self._resolve(step))
+        return self._nodes_of(self.resolve(step))
 
     def _nodes_of(self, ck: Checkpoint, entry=None) -> list[tuple[str, dict]]:
         """_tensor_nodes of a resolved checkpoint (of one top-level `entry` only, when given):
@@ -820,7 +744,7 @@ class Store:
                 out.append((path, node))
 
         if entry is None:
-            visit(self._commit(ck)["tree"], "")
+            visit(self.commit_record(ck)["tree"], "")
         else:
             top = self._top_value(ck)
             if isinstance(top, dict) and entry in top:
@@ -857,7 +781,8 @@ def _select(value, keys, step: int):
     return {k: value[k] for k in keys}
 
 
-def _checked_metrics(metrics) -> dict:
+def checked_metrics(metrics) -> dict:
+    """A save's metrics as the registry records them: str keys, one number each."""
     if metrics is None:
         return {}
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
@@ -877,21 +802,15 @@ def _checked_metrics(metrics) -> dict:
     return out
 
 
-def _floating_node(node: dict) -> bool:
-    """Whether a (checked) tensor node holds a floating-point dtype."""
-    if node["lib"] == "torch":
-        return tensors.is_floating(tensors.torch_dtype(node["dtype"]))
-    return tensors.is_floating(numpy_dtype(node["dtype"]))
-
-
-def _checked_max_chain(max_chain) -> int:
+def checked_max_chain(max_chain) -> int:
     """A bound restore can follow: chains deeper than MAX_CHAIN_DECODE are refused as cycles."""
     if type(max_chain) is not int or not 0 <= max_chain <= MAX_CHAIN_DECODE:
         raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {max_chain!r}")
     return max_chain
 
 
-def _checked_delta_memory(delta_memory) -> int | None:
+def checked_delta_memory(delta_memory) -> int | None:
+    """The bytes of the last save kept for deltas (None: all of them)."""
     if delta_memory is not None and (type(delta_memory) is not int or delta_memory < 0):
         raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {delta_memory!r}")
     return delta_memory
@@ -907,7 +826,8 @@ def _checked_process(pid: int, path: str) -> None:
                        "in the child (cas.open(path))")
 
 
-def _checked_meta(meta) -> dict:
+def checked_meta(meta) -> dict:
+    """A copy of a save's meta, checked to hold only what the registry and commit node can."""
     if meta is None:
         return {}
     if not isinstance(meta, dict):

@@ -110,7 +110,7 @@ def test_the_damage_record_names_the_damaged_object_and_who_found_it(store, stat
 
 def test_a_damaged_manifest_node_in_a_pack_is_written_again(store, state):
     store.save(state, step=1)
-    commit = store._commit(store.get(1))
+    commit = store.commit_record(store.get(1))
     tree = store._node(commit["tree"].key, 1)
     node_key = tree["v"]["w"].key  # the tensor node of "w", a small object in a pack
     rec = store.objects.record(node_key)
@@ -231,7 +231,7 @@ def test_repair_quarantines_a_damaged_pack_entry_as_a_copy(tmp_path, state):
     path = tmp_path / "s"
     with cas.open(path, chunk_size=64 << 10, pack_max=16 << 10) as store:
         store.save(state, step=1)
-        commit = store._commit(store.get(1))
+        commit = store.commit_record(store.get(1))
         node_key = store._node(commit["tree"].key, 1)["v"]["b"].key
         rec = store.objects.record(node_key)
         pack = store.objects.packs.path(rec.pack)
