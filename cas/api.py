@@ -72,7 +72,7 @@ class Store(CheckpointStore):
         with self._retention_held():
             result = interop.import_folder(self, folder, progress=progress)
         if result.checkpoints:
-            self._after_commit(result.checkpoints[-1][1])
+            self.after_commit(result.checkpoints[-1][1])
         return result
 
     @contextlib.contextmanager
@@ -96,7 +96,7 @@ class Store(CheckpointStore):
         self._check_open()
         return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)
 
-    def _after_commit(self, ck: Checkpoint) -> None:
+    def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
         past, another process removing checkpoints throughout, a full disk, a keep_best metric
         no checkpoint has logged yet) must not make the committed save look failed: it warns,

@@ -56,6 +56,15 @@ class StoreClosedError(CasError):
     """The store was used after close()."""
 
 
+class DistributedCheckpointError(CasError):
+    """A DCP save or load failed on some rank (or its process group broke). `failures` maps each
+    failing rank to its exception, when DCP reported them."""
+
+    def __init__(self, message: str, failures: dict | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
+
+
 class CorruptionError(CasError):
     """Stored bytes are missing or do not match their hash. Never returned as data.
 

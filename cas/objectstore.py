@@ -50,8 +50,9 @@ def _read_buffer(nbytes: int) -> memoryview:
     return buf
 
 
-def _walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) -> list[bytes]:
-    """Extend `chain` with base_of(its last key) until a full object; refuses cycles."""
+def walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) -> list[bytes]:
+    """Extend `chain` with base_of(its last key) until a full object (from the index, or from
+    the objects' headers); refuses cycles and chains deeper than MAX_CHAIN_DECODE."""
     while (base := base_of(chain[-1])) is not None:
         if len(chain) > MAX_CHAIN_DECODE:
             raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=chain[0].hex())
@@ -191,10 +192,10 @@ class ObjectStore:
                 rec = self.index.record(txn, key)
                 return rec.base if rec is not None else None
             for key in keys:
-                out[key] = _walk_chain([key], indexed_base)
+                out[key] = walk_chain([key], indexed_base)
             unknown = [c for c in out.values() if self.index.record(txn, c[-1]) is None]
         for chain in unknown:  # not indexed (a store being repaired): the headers say
-            _walk_chain(chain, self._header_base)
+            walk_chain(chain, self._header_base)
         return out
 
     def _header_base(self, key: bytes) -> bytes | None:

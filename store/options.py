@@ -23,7 +23,6 @@ from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
-DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
 
 
 @dataclass(frozen=True)

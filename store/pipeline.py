@@ -9,10 +9,8 @@ copied only when its chunks enter the window.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -23,29 +21,10 @@ from cas.errors import CorruptionError
 from cas.hashing import hash_bytes
 from cas.objectstore import ObjectStore, WriteSession, last_below
 
+from .bases import TensorBases
 from .tree import TensorLeaf, chunk_spans
 
 CLAIM_BATCH = 64  # chunks hashed, then claimed in one index transaction
-
-
-@dataclass(frozen=True)
-class BaseTensor:
-    """The previous save's bytes and chunk keys of one tensor: what its chunks are coded against.
-    `data` is None when only the keys were kept (Store's delta_memory): the bases are then
-    decoded from the store by the worker that codes the chunk. `below` holds, at the spans of
-    the chunks `below_keys` names (chunk index -> the key of that chunk's own delta base), the
-    bytes of those bases, from which `linear` deltas extrapolate."""
-
-    nbytes: int
-    chunk_size: int
-    skew: int
-    keys: list
-    data: np.ndarray | None
-    below: np.ndarray | None = None
-    below_keys: dict = dataclasses.field(default_factory=dict)
-
-    def matches(self, leaf: TensorLeaf) -> bool:
-        return (self.nbytes, self.chunk_size, self.skew) == (leaf.nbytes, leaf.chunk_size, leaf.skew)
 
 
 def _chunks(leaves: Iterable[TensorLeaf]) -> Iterator[tuple[TensorLeaf, int, np.ndarray]]:
@@ -74,20 +53,18 @@ def batches(items: Iterable, nbytes: Callable[[object], int], max_bytes: int,
         yield batch
 
 
-def _base_of(bases: dict[str, BaseTensor], leaf: TensorLeaf, i: int, view: np.ndarray,
+def _base_of(bases: dict[str, TensorBases], leaf: TensorLeaf, i: int, view: np.ndarray,
              start: int) -> tuple | None:
     """(key, bytes or None, (its own base's key, that base's bytes) or None) of the previous
     save's chunk at the same position of the same tensor, if the layout matches."""
     base = bases.get(leaf.path)
-    if base is None or not leaf.floating or not base.matches(leaf):
+    if base is None or not leaf.floating or not base.matches(leaf.nbytes, leaf.chunk_size, leaf.skew):
         return None
-    span = slice(start, start + view.nbytes)
-    below = (base.below_keys[i], base.below[span]) if i in base.below_keys and base.data is not None else None
-    return base.keys[i], None if base.data is None else base.data[span], below
+    return base.chunk(i, start, start + view.nbytes)
 
 
 def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadPoolExecutor,
-                  window_bytes: int, bases: dict[str, BaseTensor] | None = None, max_chain: int = 0,
+                  window_bytes: int, bases: dict[str, TensorBases] | None = None, max_chain: int = 0,
                   hash_pool: ThreadPoolExecutor | None = None) -> None:
     """Fill every leaf's chunk keys and store the chunks the store lacks; with `bases`, a changed
     chunk may be coded as a delta against the previous save's chunk at its position, as long as

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import datetime as _dt
 import os
 import threading
 import time
@@ -13,14 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from cas import faults
 from cas.codecs import CodecPolicy
 from cas.errors import (CasError, CheckpointNotFoundError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
-from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
@@ -28,18 +25,18 @@ from cas.packs import PackFiles
 
 from . import cache
 from . import layout as L
-from . import pipeline, tensors
+from . import bases as delta_bases
+from . import pipeline
 from .background import BackgroundSaves, SaveFuture
-from .options import DELTA_MIN_BYTES, StoreOptions, checked_meta, checked_metrics
+from .commit import SaveRecord, commit_save
+from .options import StoreOptions, checked_meta, checked_metrics
 from .reader import CheckpointReader
 from .records import RecordLog
-from .registry import Checkpoint, Registry, add_change, exists_error, remove_change, set_change, step_key
+from .registry import Checkpoint, Registry, exists_error, remove_change, set_change, step_key
 from .restore import restore as restore_targets
-from .staging import StagingArena
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
-from .tree import commit_node, encode_nodes, plan, walk_value
-from .values import numpy_dtype
+from .tree import encode_nodes, plan, walk_value
 from .verify import VerifyReport, record_damage, verify_checkpoints
 
 
@@ -101,9 +98,7 @@ class Store:
         self.max_chain = opts.max_chain
         self.delta_memory = opts.delta_memory  # bytes of the last save kept for deltas; None: all of them
         # the last save's floating tensors; None until the first delta save of this open store
-        self._bases: dict[str, pipeline.BaseTensor] | None = None
-        self._base_arena = StagingArena()
-        self._below_buffer: np.ndarray | None = None  # the bytes `linear` deltas extrapolate from
+        self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
 
@@ -282,75 +277,22 @@ class Store:
                 self._bases = self._latest_bases()
             return self._commit_job(job, self._bases, lambda written: self._remember_bases(job.leaves, written))
 
-    def _latest_bases(self) -> dict[str, pipeline.BaseTensor]:
+    def _latest_bases(self) -> dict[str, delta_bases.TensorBases]:
         """Bases for the first delta save after the store was opened (a resumed run): the chunk
         keys of the latest checkpoint's floating-point tensors, with no bytes in memory; the
         workers read them back from the store, as for delta_memory. Empty when there is none."""
         latest = self.latest()
-        if latest is None:
-            return {}
         try:
-            tensors = [(p, leaf.node) for p, leaf in self.reader(latest.step).tensor_leaves().items()]
+            return delta_bases.from_nodes(
+                [(p, leaf.node) for p, leaf in self.reader(latest.step).tensor_leaves().items()]) \
+                if latest is not None else {}
         except CasError:  # a damaged manifest is verify's to report; this save is written whole
             return {}
-        return {path: pipeline.BaseTensor(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), None)
-                for path, node in tensors if _floating_node(node) and node["nbytes"] >= DELTA_MIN_BYTES}
 
     def _remember_bases(self, leaves: list, written: dict[bytes, bytes]) -> None:
-        """Remember this save's floating-point tensors: the next save codes its changed chunks
-        against them (sub deltas). Their bytes are copied into a reused buffer up to
-        `delta_memory` (in state order); of the rest only the chunk keys are kept, and the next
-        save's workers decode those bases from the store (bounded memory, a decode per chunk).
-        Within the same budget, the chunks this save wrote as deltas of the last save's kept
-        bytes keep those bytes too (`written`: key -> base key of each delta written): the next
-        save may extrapolate from the two (`linear` deltas)."""
-        floating = [leaf for leaf in leaves if leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES]
-        budget = sum(2 * leaf.nbytes for leaf in floating) if self.delta_memory is None else self.delta_memory
-        kept, used = [], 0
-        for leaf in floating:
-            if used + leaf.nbytes <= budget:
-                kept.append(leaf)
-                used += leaf.nbytes
-        belows = self._keep_belows(kept, written, budget - used)
-        self._bases = {}
-        self._base_arena.stage(kept)
-        copies = {id(leaf): leaf.staged for leaf in kept}
-        self._bases = {leaf.path: pipeline.BaseTensor(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks),
-                                                      copies.get(id(leaf)), *belows.get(id(leaf), (None, {})))
-                       for leaf in floating}
-        for leaf in kept:
-            leaf.staged = None
-
-    def _keep_belows(self, kept: list, written: dict[bytes, bytes], budget: int) -> dict[int, tuple]:
-        """id(leaf) -> (bytes, {chunk index: base key}) of the last save's kept bytes of the
-        chunks of `kept` that this save wrote as deltas of them, copied (before the copies of
-        this save replace them) into a reused buffer while they fit in `budget`. (Chunks coded
-        against a chain root keep nothing: extrapolating a root's motion measured no gain.)"""
-        old = self._bases or {}
-        plans, total = [], 0
-        for leaf in kept:
-            prev = old.get(leaf.path)
-            if prev is None or prev.data is None or not prev.matches(leaf) or total + leaf.nbytes > budget:
-                continue
-            moved = {i: prev.keys[i] for i, key in enumerate(leaf.chunks) if written.get(key) == prev.keys[i]}
-            if moved:
-                plans.append((leaf, prev, moved, total))
-                total += leaf.nbytes
-        if not plans:
-            return {}
-        if self._below_buffer is None or self._below_buffer.size < total:
-            # grown with headroom and kept: writing fresh memory is slow on this kind of VM (a
-            # first touch of 70 MB cost 170 ms against 8 ms for a reused buffer)
-            self._below_buffer = None  # release the old one before allocating the larger one
-            self._below_buffer = np.empty(min(total + total // 4, max(budget, total)), dtype=np.uint8)
-        out = {}
-        for leaf, prev, moved, offset in plans:
-            below = self._below_buffer[offset:offset + leaf.nbytes]
-            spans = list(pipeline.chunk_spans(leaf.nbytes, leaf.chunk_size, leaf.skew))
-            for i in moved:
-                below[spans[i][0]:spans[i][1]] = prev.data[spans[i][0]:spans[i][1]]
-            out[id(leaf)] = (below, moved)
-        return out
+        """Remember this save's floating-point tensors for the next save's deltas, within
+        `delta_memory` (store/bases.py; `written`: key -> base key of each delta written)."""
+        self._bases = delta_bases.remember(self._bases, leaves, written, self.delta_memory)
 
     def _commit_job(self, job: "_SaveJob", bases: dict, remember: Callable | None = None) -> Checkpoint:
         """Write and commit one save. With `remember` (delta saves), remember(key -> base key of
@@ -372,36 +314,16 @@ class Store:
             if remembering is not None and remembering.exception() is not None:
                 self._bases = None  # e.g. out of memory for the copies: the next save reads its bases back
         faults.point("save.committed")
-        self._after_commit(ck)
+        self.after_commit(ck)
         return ck
 
     def _commit_nodes(self, job: "_SaveJob", session) -> Checkpoint:
         """Write the save's manifest nodes and commit it, registering the checkpoint."""
         root, nodes = encode_nodes(job.skeleton)
-        logical = sum(leaf.nbytes for leaf in job.leaves)
-        commit = commit_node(step=job.step, created=job.created, milestone=job.milestone, metrics=job.metrics,
-                             meta=job.meta, tree=root, logical_bytes=logical)
-        commit_key = hash_bytes(commit)
-        nodes[commit_key] = commit
-        pipeline.write_blobs(session, nodes, self._pool)
-        faults.point("save.nodes_written")
-
-        def finish(txn) -> Checkpoint:
-            old = self.registry.get(txn, job.step) if job.replacing else None
-            changes = []
-            if old is not None:
-                if old.pinned:
-                    raise CasError(f"checkpoint {job.step} is pinned (a legal hold); it cannot be replaced")
-                changes.append(remove_change(old))
-            ck = Checkpoint(step=job.step, id=commit_key.hex(),
-                            created=_dt.datetime.fromtimestamp(job.created, _dt.timezone.utc),
-                            milestone=job.milestone, metrics=job.metrics, meta=job.meta,
-                            logical_bytes=logical, new_bytes=session.new_bytes)
-            changes.append(add_change(ck, session.packs_written()))
-            seq = self.registry.commit(txn, "replace" if old is not None else "save", changes)
-            return dataclasses.replace(ck, seq=seq)
-
-        return self.commit_session(session, finish)
+        record = SaveRecord(job.step, job.created, job.milestone, job.metrics, job.meta,
+                            sum(leaf.nbytes for leaf in job.leaves))
+        return commit_save(self, session, record, root, nodes, self._pool, "save.nodes_written",
+                           replacing=job.replacing)
 
     def commit_session(self, session, finish: Callable[[object], Checkpoint]) -> Checkpoint:
         """session.commit(finish), where `finish` commits a checkpoint through the registry (its
@@ -430,8 +352,8 @@ class Store:
                 pass
             return logged[0]
 
-    def _after_commit(self, ck: Checkpoint) -> None:
-        """Called after every committed save; the public store applies retention here."""
+    def after_commit(self, ck: Checkpoint) -> None:
+        """Called after every committed save (DCP's too); the public store applies retention here."""
 
     # --- load ---------------------------------------------------------------------------
     def reader(self, step: int | None = None) -> CheckpointReader:
@@ -581,11 +503,6 @@ def _writable(layout: L.Layout) -> bool:
     return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index) or os.access(layout.index, os.W_OK))
 
 
-def _floating_node(node: dict) -> bool:
-    """Whether a (checked) tensor node holds a floating-point dtype."""
-    if node["lib"] == "torch":
-        return tensors.is_floating(tensors.torch_dtype(node["dtype"]))
-    return tensors.is_floating(numpy_dtype(node["dtype"]))
 
 
 def _checked_process(pid: int, path: str) -> None:

@@ -116,14 +116,14 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         if reason:
             raise TypeError(f"cannot store {reason} at {path!r}")
         leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
-                          t.numel() * t.element_size(), _group(t.dtype), t, chunk_size, floating=_deltable(t.dtype))
+                          t.numel() * t.element_size(), group_of(t.dtype), t, chunk_size, floating=_deltable(t.dtype))
         leaves.append(leaf)
         return leaf
 
     def add_array(a: np.ndarray, path: str) -> TensorLeaf:
         if a.dtype.kind not in "biufc" or a.dtype.fields is not None:
             raise TypeError(f"cannot store numpy array of dtype {a.dtype} at {path!r}")
-        leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, _group(a.dtype), a, chunk_size,
+        leaf = TensorLeaf(path, "numpy", a.dtype.str, list(a.shape), a.nbytes, group_of(a.dtype), a, chunk_size,
                           floating=_deltable(a.dtype))
         leaves.append(leaf)
         return leaf
@@ -169,13 +169,14 @@ def _checked_int(value: int, path: str) -> int:
     return value
 
 
-def _group(dtype) -> int:
+def group_of(dtype) -> int:
+    """The codec's byte-group stride for a dtype (torch or numpy): its part size for floats, else 1."""
     return T.group_size(dtype) if T.is_floating(dtype) else 1
 
 
 def _deltable(dtype) -> bool:
     """Floats and complex numbers whose chunks may be deltas (`can_delta` of their byte group)."""
-    return T.is_floating(dtype) and can_delta(_group(dtype))
+    return T.is_floating(dtype) and can_delta(group_of(dtype))
 
 
 def _wrap(container, children) -> object:
@@ -194,16 +195,27 @@ def _copied_metadata(meta, path: str):
         raise TypeError(f"cannot store the _metadata of the state dict at {path or '<root>'!r}") from None
 
 
+class NodeWriter:
+    """The manifest nodes of one save as {key: msgpack bytes}, deduplicated by key (Store.save's
+    tree and the DCP coordinator's manifest alike)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[bytes, bytes] = {}
+
+    def add(self, data: bytes) -> bytes:
+        key = hash_bytes(data)
+        self.blobs[key] = data
+        return key
+
+    def emit(self, node: dict) -> Ref:
+        return Ref(self.add(pack(node)))
+
+
 def encode_nodes(skeleton) -> tuple[Ref, dict[bytes, bytes]]:
     """Turn a planned skeleton whose leaves have their chunk keys into node objects.
     Returns the root reference and {key: msgpack bytes} of every node (deduplicated)."""
-    nodes: dict[bytes, bytes] = {}
-
-    def emit(node: dict) -> Ref:
-        data = pack(node)
-        key = hash_bytes(data)
-        nodes[key] = data
-        return Ref(key)
+    nodes = NodeWriter()
+    emit = nodes.emit
 
     def lower(value):
         if isinstance(value, TensorLeaf):
@@ -225,7 +237,7 @@ def encode_nodes(skeleton) -> tuple[Ref, dict[bytes, bytes]]:
     root = lower(skeleton)
     if not isinstance(root, Ref):  # a state without tensors still gets a root node
         root = emit({"k": "value", "v": root})
-    return root, nodes
+    return root, nodes.blobs
 
 
 def commit_node(*, step: int, created: float, milestone: bool, metrics: dict, meta: dict,

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import cas
 from cas import faults
 from cas.store import dcp as cdcp
-from cas.store import dcp_bases
+from cas.store.dcp import bases as dcp_bases
 
 warnings.filterwarnings("ignore")
 CHUNK = 64 << 10

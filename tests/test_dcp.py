@@ -685,7 +685,7 @@ def test_a_rollback_resaved_through_dcp_leaves_every_checkpoint_restorable(tmp_p
     states[5] = states[3] + 1e-4 * torch.randn(128, 256, generator=torch.Generator().manual_seed(1))
     for step, w in states.items():
         if restarted and step == 4:
-            cdcp.dcp_bases.replace(os.path.abspath(path), None)  # a new process: bases seeded, read back
+            cdcp.bases.replace(os.path.abspath(path), None)  # a new process: bases seeded, read back
         cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
     assert [s for s, w in states.items() if not _loads_bit_for_bit(path, s, w)] == []
     with cas.open(path, readonly=True) as store:
@@ -719,7 +719,7 @@ def test_a_failed_dcp_save_changes_no_file_of_committed_checkpoints(tmp_path):
 
 
 def test_a_cached_plan_of_another_step_confirms_no_base():
-    from cas.store import dcp_bases
+    from cas.store.dcp import bases as dcp_bases
     key = bytes(32)
     root = bytes(range(32))
 
@@ -757,7 +757,7 @@ def test_any_chain_of_dcp_delta_saves_restores_bit_for_bit_also_after_gc(tmp_pat
 
 
 def test_a_process_keeps_delta_bases_for_a_bounded_number_of_stores(tmp_path):
-    from cas.store import dcp_bases
+    from cas.store.dcp import bases as dcp_bases
     paths = [str(tmp_path / f"s{i}") for i in range(dcp_bases.MAX_STORES + 2)]
     for path in paths:
         cdcp.save({"w": torch.randn(128, 256)}, path, 1, no_dist=True, delta=True)
@@ -816,7 +816,7 @@ def test_max_chain_zero_codes_no_dcp_deltas_not_even_against_roots(tmp_path):
 def test_a_restarted_rank_codes_its_first_save_against_the_latest_checkpoint(tmp_path):
     """A fresh process has no bases in memory: the coordinator seeds it with the chunks of the
     latest checkpoint's matching shards, which the rank reads back from their files (chains too)."""
-    from cas.store import dcp_bases
+    from cas.store.dcp import bases as dcp_bases
     model, opt = trained_mlp()
     path, refs = str(tmp_path / "s"), {}
     for step in (1, 2, 3):
@@ -839,7 +839,7 @@ def test_a_restarted_rank_codes_its_first_save_against_the_latest_checkpoint(tmp
 def test_dcp_delta_memory_keeps_keys_only_and_reads_bases_back_from_files(tmp_path):
     """delta_memory=0: a rank keeps no bytes of its last save; the same deltas come from bases
     read back from the store's files."""
-    from cas.store import dcp_bases
+    from cas.store.dcp import bases as dcp_bases
     sizes = {}
     for memory in (None, 0):
         model, opt = trained_mlp()
@@ -864,7 +864,7 @@ def test_dcp_ranks_code_steady_motion_as_linear_deltas(tmp_path, memory):
     """As Store.save does: once a rank's base is itself a delta, the rank may extrapolate the
     base's motion (`linear`), from the previous bytes it kept (None) or from the chain it reads
     back (0); every step restores bit for bit, also after the checkpoints holding the bases go."""
-    from cas.store import dcp_bases
+    from cas.store.dcp import bases as dcp_bases
     states = _trajectory(5, seed=7)
     path = str(tmp_path / "s")
     dcp_bases.replace(os.path.abspath(path), None)

@@ -16,7 +16,8 @@ stored. The protocol therefore goes through DCP's planning round trip:
   3. write_data, every rank: a confirmed base whose chain is shorter than max_chain is used,
      else the chain's root, decoded from its file (`RankDeltas.base`); the chunk's delta object
      names its base, which the coordinator indexes as a base edge when it adopts the file.
-     Then this save's shard bytes replace the cache (`RankDeltas.keep`).
+     Then this save's shard bytes replace the cache (`RankDeltas.keep`: store/bases.py's
+     Keeper, as Store.save keeps its tensors).
 
 Memory: one copy of the rank's floating-point shards (its share of the state, not the whole
 state), plus the previous bytes of the chunks it wrote as deltas (for `linear` deltas), per store
@@ -33,6 +34,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..bases import Keeper, TensorBases
+
 NOT_STORED = 255  # in a confirmation: the key is not stored (stored depths are capped at 254)
 PROPOSAL = "cas_bases"
 CONFIRMED = "cas_base_depths"
@@ -43,23 +46,11 @@ BELOW = "cas_base_below"  # confirmed key (a delta) -> the keys below it down it
 
 
 @dataclass
-class ShardBase:
-    """One shard's bytes at the rank's last save, and its chunk keys. `data` is None for a shard
-    seeded from the latest checkpoint (a restarted rank): its bases are read back from files.
-    `below` holds, at the spans of the chunks `below_keys` names (chunk index -> the key of its
-    own delta base), the bytes of those bases: what `linear` deltas extrapolate from."""
-
-    data: np.ndarray | None
-    skew: int
-    keys: list
-    nbytes: int
-    below: np.ndarray | None = None
-    below_keys: dict = field(default_factory=dict)
-
-
-@dataclass
 class Cache:
-    shards: dict = field(default_factory=dict)  # shard id -> ShardBase
+    """A rank's bases of its last save into one store: shard id -> TensorBases (`data` None for
+    a shard seeded from the latest checkpoint, a restarted rank's: read back from files)."""
+
+    shards: dict = field(default_factory=dict)
 
     def keys(self) -> list[bytes]:
         return list(dict.fromkeys(k for shard in self.shards.values() for k in shard.keys))
@@ -127,12 +118,12 @@ def confirm(storage_data, step: int, max_chain: int, hold: Callable[[list], obje
             BELOW: below_of(deltas) if below_of is not None and deltas else {}}
 
 
-def seeded_cache(storage_data) -> Cache | None:
+def seeded_cache(storage_data, chunk_size: int) -> Cache | None:
     """The cache a restarted rank starts from: the seeded shards' keys, no bytes."""
     seed = storage_data.get(SEED) if isinstance(storage_data, dict) else None
     if not isinstance(seed, dict) or not seed:
         return None
-    return Cache({sid: ShardBase(None, skew, list(chunks), nbytes) for sid, (skew, nbytes, chunks) in seed.items()})
+    return Cache({sid: TensorBases(nbytes, chunk_size, skew, list(chunks)) for sid, (skew, nbytes, chunks) in seed.items()})
 
 
 def answers(storage_data, step: int) -> bool:
@@ -171,8 +162,14 @@ class RankDeltas:
     max_chain: int
     memory: int | None = None  # bytes of this save kept for the next; None: all (CasWriter's delta_memory)
     below: dict = field(default_factory=dict)  # confirmed delta key -> keys below it (chains_below)
-    current: Cache = field(default_factory=Cache)
-    kept_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.keeper = Keeper(self.previous.shards if self.previous is not None else None, self.memory)
+
+    @property
+    def current(self) -> Cache:
+        """The bases this save leaves for the next (filled by keep)."""
+        return Cache(self.keeper.current)
 
     def base(self, shard, skew: int, nbytes: int, index: int, start: int, end: int) -> tuple | None:
         """(key, bytes, depth, below) of the previous save's chunk at this position, when it is
@@ -192,34 +189,11 @@ class RankDeltas:
             return (root, None, 0, None) if isinstance(root, bytes) else None
         if depth > 0 and key not in self.below:  # its chain could not be read: no telling what is below
             return None
-        if prev.data is None:
-            return key, None, depth, None
-        below = (prev.below_keys[index], prev.below[start:end]) if index in prev.below_keys else None
-        return key, prev.data[start:end], depth, below
+        _, data, below = prev.chunk(index, start, end)
+        return key, data, depth, below
 
-    def keep(self, shard, data: np.ndarray, skew: int, keys: list, spans: list, written: dict) -> None:
-        """Remember a shard just written, for the next save: its bytes while they fit in
-        `memory` (in plan order), else only its keys (the next save reads those bases back from
-        their files); within the same budget, of the chunks written as deltas of the previous
-        bytes (`written`: key -> base key), those previous bytes too. The previous save's buffers
-        of the same shard are reused: only this shard's own chunks were coded against them."""
-        if self.memory is not None and self.kept_bytes + data.size > self.memory:
-            self.current.shards[shard] = ShardBase(None, skew, list(keys), data.size)
-            return
-        self.kept_bytes += data.size
-        prev = self.previous.shards.get(shard) if self.previous is not None else None
-        reuse = prev is not None and prev.data is not None and prev.data.size == data.size
-        below, moved = None, {}
-        if reuse and prev.skew == skew and len(prev.keys) == len(keys):
-            moved = {i: prev.keys[i] for i, key in enumerate(keys) if written.get(key) == prev.keys[i]}
-        if moved and (self.memory is None or self.kept_bytes + data.size <= self.memory):
-            self.kept_bytes += data.size
-            below = prev.below if prev.below is not None and prev.below.size == data.size \
-                else np.empty(data.size, dtype=np.uint8)
-            for i in moved:
-                below[spans[i][0]:spans[i][1]] = prev.data[spans[i][0]:spans[i][1]]
-        else:
-            moved = {}
-        buf = prev.data if reuse else np.empty(data.size, dtype=np.uint8)
-        np.copyto(buf, data)
-        self.current.shards[shard] = ShardBase(buf, skew, list(keys), data.size, below, moved)
+    def keep(self, shards: list[tuple[tuple, TensorBases, Callable[[], np.ndarray]]], written: dict) -> None:
+        """Remember shards just written, for the next save (store/bases.py's Keeper: their bytes
+        while they fit in `memory`, in plan order, else only their keys; within the same budget,
+        the previous bytes of their chunks written as deltas, `written`: key -> base key)."""
+        self.keeper.keep(shards, written)
