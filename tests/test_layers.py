@@ -108,11 +108,7 @@ def test_the_private_name_check_finds_what_it_looks_for():
     assert private_uses(good, "f.py") == []
 
 
-IN_PARALLEL = pytest.mark.xfail(strict=False, reason="store/ violations are being removed in parallel")
-
-
-@pytest.mark.parametrize("folder", ["cas", pytest.param("store", marks=IN_PARALLEL),
-                                    pytest.param("gc", marks=IN_PARALLEL)])
+@pytest.mark.parametrize("folder", ["cas", "store", "gc"])
 def test_no_module_uses_another_modules_private_names(folder):
     found = [use for path in _library_files(folder)
              for use in private_uses(path.read_text(), str(path.relative_to(ROOT)))]
