@@ -28,6 +28,8 @@ _LAZY = {
     "GcReport": "cas.gc",
     "Retention": "cas.gc",
     "Checkpoint": "cas.store",
+    "CheckpointReader": "cas.store",
+    "StoreOptions": "cas.store",
     "StoreStats": "cas.store",
     "VerifyReport": "cas.store",
     "RNGState": "cas.store.training",
@@ -55,17 +57,17 @@ def __dir__() -> list[str]:
 def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builtin on purpose
     """Open the store at `path`, creating it when the path is missing or an empty folder.
 
-    Options: create (default True), readonly, chunk_size (fixed at creation, default 4 MiB),
-    compress (default True), compression_level (zstd, default 1), workers (default: CPU count; loads use twice as many threads),
-    window_bytes (in-flight chunk bytes while saving, default 256 MiB), retention (a
-    cas.gc.Retention applied after every save).
+    Options: a cas.StoreOptions as `options=`, and/or its fields as keywords (create, readonly,
+    chunk_size, compress, compression_level, workers, window_bytes, pack_max, max_inflight,
+    delta, max_chain, delta_memory: see StoreOptions); and retention (a cas.Retention applied
+    after every save).
     """
     from .api import Store
 
     return Store(path, **options)
 
 
-__all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
+__all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader", "StoreOptions", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
            "UnsupportedFilesystemError", "open"]

@@ -15,7 +15,7 @@ from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
 from .progress import ProgressCallback
 from .store import Checkpoint, interop
-from .store import Store as CheckpointStore
+from .store import CheckpointStore
 
 
 class Store(CheckpointStore):

@@ -4,7 +4,9 @@ This layer knows checkpoints but nothing of retention; cas.gc builds on it.
 """
 
 from .registry import Checkpoint
-from .store import Store, StoreStats
+from .options import StoreOptions
+from .reader import CheckpointReader
+from .store import CheckpointStore, StoreStats
 from .verify import Problem, VerifyReport
 
-__all__ = ["Checkpoint", "Problem", "Store", "StoreStats", "VerifyReport"]
+__all__ = ["Checkpoint", "CheckpointReader", "CheckpointStore", "Problem", "StoreOptions", "StoreStats", "VerifyReport"]

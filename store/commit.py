@@ -19,7 +19,7 @@ from .registry import Checkpoint, add_change, remove_change
 from .tree import Ref, commit_node
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .store import CheckpointStore
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SaveRecord:
                           logical_bytes=self.logical_bytes, new_bytes=new_bytes)
 
 
-def commit_save(store: "Store", session: WriteSession, record: SaveRecord, tree: Ref, nodes: dict[bytes, bytes],
+def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRecord, tree: Ref, nodes: dict[bytes, bytes],
                 pool: ThreadPoolExecutor, fault: str, *, replacing: bool = False) -> Checkpoint:
     """Write the manifest `nodes` and the commit node of `tree`, then commit the session with
     the checkpoint's record (one record log entry; with `replacing`, it also removes the

@@ -38,7 +38,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from cas.errors import CasError
 
-from .store import Store
+from .opening import given_or_opened
+from .store import CheckpointStore
 
 # File names Trainer.train(resume_from_checkpoint=...) reads (transformers.trainer's constants).
 WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE = "model.safetensors", "optimizer.pt", "scheduler.pt"
@@ -46,13 +47,14 @@ RNG_FILE, TRAINER_STATE_FILE = "rng_state.pth", "trainer_state.json"
 
 
 @contextlib.contextmanager
-def _opened(store: str | os.PathLike | Store) -> Iterator[Store]:
+def _opened(store: str | os.PathLike | CheckpointStore) -> Iterator[CheckpointStore]:
     """The store itself, or one opened at the path and closed afterwards."""
-    if isinstance(store, Store):
-        yield store
-    else:
-        with Store(store) as opened:
-            yield opened
+    opened, owned = given_or_opened(store)
+    try:
+        yield opened
+    finally:
+        if owned:
+            opened.close()
 
 
 def rng_state() -> dict:
@@ -72,8 +74,11 @@ def _metrics(state) -> dict:
 class CasCallback(TrainerCallback):
     """Saves the training state into a cas store on every save event of a Trainer."""
 
-    def __init__(self, store: str | os.PathLike | Store, *, keep_folders: bool = True) -> None:
-        self.store = store if isinstance(store, Store) else Store(store)
+    def __init__(self, store: str | os.PathLike | CheckpointStore, *, keep_folders: bool = True,
+                 **options) -> None:
+        """`store` is an open store or a path to open one at, with cas.open's `options`
+        (retention= included)."""
+        self.store, _ = given_or_opened(store, **options)
         self.keep_folders = keep_folders
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None,
@@ -90,7 +95,7 @@ class CasCallback(TrainerCallback):
                           ignore_errors=True)
 
 
-def checkpoint_folder(store: str | os.PathLike | Store, folder: str, step: int | None = None) -> str:
+def checkpoint_folder(store: str | os.PathLike | CheckpointStore, folder: str, step: int | None = None) -> str:
     """Write the store's checkpoint `step` (the latest by default) into `folder` as the files
     Trainer.train(resume_from_checkpoint=folder) reads; returns `folder`."""
     from safetensors.torch import save_file
@@ -113,7 +118,7 @@ def checkpoint_folder(store: str | os.PathLike | Store, folder: str, step: int |
     return folder
 
 
-def resume(trainer: Trainer, store: str | os.PathLike | Store, step: int | None = None, **train_kwargs):
+def resume(trainer: Trainer, store: str | os.PathLike | CheckpointStore, step: int | None = None, **train_kwargs):
     """trainer.train() resumed from the store's checkpoint `step` (the latest by default)."""
     with tempfile.TemporaryDirectory(prefix="cas-resume-") as folder:
         return trainer.train(resume_from_checkpoint=checkpoint_folder(store, folder, step), **train_kwargs)

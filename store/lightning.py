@@ -40,7 +40,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from cas.errors import CheckpointNotFoundError
 
 from .registry import Checkpoint, exists_error
-from .store import Store
+from .opening import given_or_opened
+from .store import CheckpointStore
 
 PATHS_META = "lightning_paths"
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
@@ -50,10 +51,10 @@ class CasCheckpointIO(CheckpointIO):
     """A Lightning CheckpointIO plugin that saves into a cas store (see the module docstring
     for how paths map to steps)."""
 
-    def __init__(self, store: str | os.PathLike | Store, **options) -> None:
+    def __init__(self, store: str | os.PathLike | CheckpointStore, **options) -> None:
         """`store` is an open store (cas.open(...), whose retention then applies too) or a path
-        to open a plain checkpoint store at, with Store's `options`."""
-        self.store = store if isinstance(store, Store) else Store(store, **options)
+        to open one at, with cas.open's `options` (retention= included)."""
+        self.store, _ = given_or_opened(store, **options)
         self._removed: set[str] = set()
 
     # --- CheckpointIO ---------------------------------------------------------------------
@@ -124,7 +125,7 @@ class CasCheckpointIO(CheckpointIO):
 
     def _names_to_keep(self, step: int, cks: list[Checkpoint]) -> list[str]:
         """The paths that name the checkpoint at `step`, if any: the new save replaces it in
-        its commit (Store._replace: a save that fails leaves it). Only a checkpoint this plugin
+        its commit (save(replace=True): a save that fails leaves it). Only a checkpoint this plugin
         saved is replaced."""
         old = next((ck for ck in cks if ck.step == step), None)
         if old is None:

@@ -52,8 +52,9 @@ class _SaveJob:
     replacing: bool = False  # the commit swaps out a checkpoint at the same step (save(replace=True))
 
 
-class Store:
-    """A content-addressed checkpoint store in one folder. Open with `cas.open(path)`."""
+class CheckpointStore:
+    """A content-addressed checkpoint store in one folder (cas.Store adds retention and gc: open
+    one with `cas.open(path)`)."""
 
     def __init__(self, path: str | os.PathLike, *, options: StoreOptions | None = None, **option_values) -> None:
         """Open (or create) the store at `path`; `options` and/or their keywords, see StoreOptions."""
@@ -197,7 +198,7 @@ class Store:
             self._read_pool.shutdown(wait=True)
             self._close_cache()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> "CheckpointStore":
         return self
 
     def __exit__(self, *exc) -> None:

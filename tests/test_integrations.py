@@ -121,6 +121,22 @@ def test_lightning_paths_behave_like_files_that_saves_overwrite(L, tmp_path):
     io.close()
 
 
+def test_hooks_handed_a_path_open_the_store_as_cas_open_does(L, tmp_path):
+    """A path and cas.open's options, retention included: the plugin's store applies it."""
+    import cas
+    from cas.store.hf import CasCallback
+    from cas.store.lightning import CasCheckpointIO
+
+    io = CasCheckpointIO(tmp_path / "store", retention=cas.Retention(keep_last=2), chunk_size=64 << 10)
+    for step in (1, 2, 3):
+        io.save_checkpoint({"global_step": step, "w": torch.full((2,), float(step))}, f"d/epoch=0-step={step}.ckpt")
+    assert isinstance(io.store, cas.Store) and [ck.step for ck in io.store.checkpoints()] == [2, 3]
+    io.close()
+    callback = CasCallback(tmp_path / "store", retention=cas.Retention(keep_last=1))
+    assert callback.store.retention == cas.Retention(keep_last=1)
+    callback.store.close()
+
+
 # --- Hugging Face -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def transformers():

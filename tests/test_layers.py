@@ -16,8 +16,7 @@ HEAVY = ("torch", "cas.store", "cas.gc")
 NOT_STORAGE = {"__init__", "__main__", "api"}  # the public API composes the layers; cli/ is a folder
 
 # Private-looking names that are another library's public convention, allowed across modules,
-# each with its reason. Not namedtuple's `_replace`: Store has a private method of that name
-# (store/lightning.py calls it), which a blanket allowance would hide.
+# each with its reason.
 ALLOWED_PRIVATE = frozenset({
     "_metadata",  # torch's state_dict metadata (per-module versions), which load_state_dict reads back
 })
@@ -41,6 +40,19 @@ def test_storage_layer_imports_without_torch_store_or_gc():
     assert result.stdout.strip() == "[]", f"the storage layer loaded {result.stdout.strip()}"
 
 
+def test_the_checkpoint_layer_imports_without_gc():
+    """cas.store knows nothing of retention: none of its modules loads cas.gc when imported
+    (the trainer hooks and DCP's writer reach the public cas.open only when handed a path)."""
+    modules = sorted("cas.store." + ".".join(p.relative_to(ROOT / "store").with_suffix("").parts)
+                     for p in (ROOT / "store").rglob("*.py") if p.stem != "__init__")
+    assert {"cas.store.reader", "cas.store.dcp.writer", "cas.store.lightning", "cas.store.hf"} <= set(modules)
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in ('cas.gc', 'cas.api') if m in sys.modules))")
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"cas.store loaded {result.stdout.strip()}"
+
+
 def test_import_cas_is_light_and_its_names_still_resolve():
     code = f"""
 import sys
@@ -51,7 +63,7 @@ import cas.api
 assert cas.Store is cas.api.Store and callable(cas.open) and cas.open.__doc__
 for name in cas.__all__:
     getattr(cas, name)
-assert "torch" in sys.modules and cas.store.Store and cas.gc.Retention is cas.Retention
+assert "torch" in sys.modules and cas.store.CheckpointStore and cas.gc.Retention is cas.Retention
 """
     result = _run(code)
     assert result.returncode == 0, result.stderr

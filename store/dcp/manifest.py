@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from cas.errors import CasError
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 
 from .. import tensors as T
 from ..tree import NodeWriter, Ref, TensorLeaf, chunk_spans

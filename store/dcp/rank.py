@@ -23,7 +23,7 @@ from cas.codecs import CodecPolicy, parse_header
 from cas.errors import CasError, MissingObjectError
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
-from cas.objects import FileObjects
+from cas.objectfiles import FileObjects
 from cas.objectstore import decode_chain, last_below, walk_chain
 
 from .. import layout as L

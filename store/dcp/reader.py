@@ -30,7 +30,7 @@ from cas.errors import CasError, CorruptionError
 from .. import pipeline
 from .. import tensors as T
 from ..registry import Checkpoint
-from ..store import Store
+from ..store import CheckpointStore
 from ..tree import chunk_spans
 from .failures import as_cas_errors
 from .manifest import DCP_FORMAT, element_size
@@ -39,21 +39,21 @@ READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while 
 
 
 # --- the store a writer or reader works on ---------------------------------------------------
-def store_and_path(target: str | os.PathLike | Store) -> tuple[Store | None, str]:
-    """A writer or reader takes a path, or the caller's open Store: one process can hold only
+def store_and_path(target: str | os.PathLike | CheckpointStore) -> tuple[CheckpointStore | None, str]:
+    """A writer or reader takes a path, or the caller's open CheckpointStore: one process can hold only
     one LMDB environment per store, so a process that has the store open must lend it."""
-    if isinstance(target, Store):
+    if isinstance(target, CheckpointStore):
         return target, target.path
     return None, os.path.abspath(os.fspath(target))
 
 
 @contextmanager
-def opened(given: Store | None, path: str, **options) -> Iterator[Store]:
+def opened(given: CheckpointStore | None, path: str, **options) -> Iterator[CheckpointStore]:
     """The caller's store as is, or one opened here and closed on exit."""
     if given is not None:
         yield given
         return
-    with Store(path, **options) as store:
+    with CheckpointStore(path, **options) as store:
         yield store
 
 
@@ -76,7 +76,7 @@ class Loaded:
     values: dict  # fqn -> {"v": value} or {"pickle": bytes}
 
 
-def read_manifest(given: Store | None, path: str, step: int | None) -> Loaded:
+def read_manifest(given: CheckpointStore | None, path: str, step: int | None) -> Loaded:
     """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile."""
     with opened(given, path, create=False, readonly=True) as store:
         reader = store.reader(step)
@@ -239,7 +239,7 @@ class CasReader(StorageReader):
     Values that were saved as pickle (msgpack could not encode them) load only with
     allow_pickle=True, which runs the unpickler: use it only for a store you trust."""
 
-    def __init__(self, path: str | os.PathLike | Store, *, step: int | None = None, allow_pickle: bool = False,
+    def __init__(self, path: str | os.PathLike | CheckpointStore, *, step: int | None = None, allow_pickle: bool = False,
                  workers: int | None = None) -> None:
         super().__init__()
         self._store, self.path = store_and_path(path)
@@ -343,7 +343,7 @@ class CasReader(StorageReader):
                     _apply(region, planner)
 
 
-def load(state: dict, path: str | os.PathLike | Store, step: int | None = None, *, planner: LoadPlanner | None = None,
+def load(state: dict, path: str | os.PathLike | CheckpointStore, step: int | None = None, *, planner: LoadPlanner | None = None,
          process_group=None, no_dist: bool = False, allow_pickle: bool = False,
          workers: int | None = None) -> Checkpoint:
     """dcp.load through a CasReader (the latest checkpoint when `step` is None), in place, at

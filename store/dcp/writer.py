@@ -29,7 +29,8 @@ from ..bases import DELTA_MIN_BYTES
 from ..commit import SaveRecord, commit_save
 from ..registry import Checkpoint, exists_error
 from ..options import StoreOptions, checked_meta, checked_metrics
-from ..store import Store
+from ..opening import open_path
+from ..store import CheckpointStore
 from . import bases
 from .failures import as_cas_errors
 from .manifest import Manifest, SavedCheckpoint, build_manifest
@@ -44,7 +45,7 @@ class PendingCommit:
     """The coordinator's store and barrier session between set-up and finish. Kept apart from
     the writer so that a finalizer can release it when a failed writer is dropped."""
 
-    def __init__(self, store: Store, session: WriteSession, created: float, owns_store: bool) -> None:
+    def __init__(self, store: CheckpointStore, session: WriteSession, created: float, owns_store: bool) -> None:
         self.store = store
         self.session = session
         self.created = created
@@ -60,7 +61,7 @@ class PendingCommit:
                 self.store.close()
 
 
-def _latest_shards(store: Store) -> dict:
+def _latest_shards(store: CheckpointStore) -> dict:
     """MetadataIndex -> tensor node of every shard of the latest checkpoint, if a DCP save."""
     try:
         return read_manifest(store, store.path, None).shards
@@ -136,17 +137,19 @@ class CasWriter(StorageWriter):
     compression_level, workers (hashing and encoding threads per rank, at most 8 by default),
     delta, max_chain, delta_memory (each rank codes changed floating-point chunks against its
     own previous save, which it keeps in host memory up to delta_memory bytes and reads back
-    from the store's files beyond; see store/dcp/bases.py).
+    from the store's files beyond; see store/dcp/bases.py). retention: a cas.Retention applied
+    after the commit when the store is opened here from a path (as cas.open's).
     After a failed direct dcp.save, call abort() or drop the writer to end its barrier lease.
     """
 
-    def __init__(self, path: str | os.PathLike | Store, *, step: int, milestone: bool = False,
+    def __init__(self, path: str | os.PathLike | CheckpointStore, *, step: int, milestone: bool = False,
                  metrics: dict | None = None, meta: dict | None = None, options: StoreOptions | None = None,
-                 **option_values) -> None:
+                 retention=None, **option_values) -> None:
         super().__init__()
         if type(step) is not int:
             raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
         self.options = StoreOptions.of(options, **option_values)
+        self.retention = retention  # a cas.Retention applied after the commit, on a store opened here
         self._store, self.path = store_and_path(path)
         self.step = step
         self.milestone = bool(milestone)
@@ -210,7 +213,8 @@ class CasWriter(StorageWriter):
     def _begin(self) -> None:
         """Open the store and the barrier lease before any rank looks at object files."""
         owns = self._store is None
-        store = self._store or Store(self.path, options=dataclasses.replace(self.options, workers=self.workers))
+        store = self._store or open_path(self.path, options=dataclasses.replace(self.options, workers=self.workers),
+                                         retention=self.retention)
         try:
             if store.exists(self.step):
                 raise exists_error(self.step)
@@ -292,7 +296,7 @@ class CasWriter(StorageWriter):
             return commit_save(store, session, record, manifest.tree, manifest.nodes.blobs, pool, "dcp.nodes_written")
 
 
-def save(state: dict, path: str | os.PathLike | Store, step: int, *, planner: SavePlanner | None = None,
+def save(state: dict, path: str | os.PathLike | CheckpointStore, step: int, *, planner: SavePlanner | None = None,
          process_group=None, no_dist: bool = False, **options) -> SavedCheckpoint:
     """dcp.save through a CasWriter, on every rank. A failure on any rank raises a CasError on
     every rank (a direct dcp.save raises DCP's CheckpointException, a BaseException, instead)
