@@ -171,7 +171,6 @@ def cmd_du(store, args) -> int:
     return EXIT_OK
 
 
-
 @command("rm", "delete a checkpoint (space returns at the next gc)", _add_step)
 def cmd_rm(store, args) -> int:
     store.delete(args.step)
