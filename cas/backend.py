@@ -26,6 +26,7 @@ operation the store's truth depends on is one of these:
   sync()                     make every publish and delete so far durable (batched: a local
                              folder fsyncs each touched directory once)
   list(prefix)               names under a prefix, at any depth, sorted
+  list_sizes(prefix)         the same with each blob's size (a bucket's listing carries them)
   delete(name)               remove; absent is fine; durable after sync()
   move(name, new_name)       give a blob another name, never over one (quarantine keeps a
                              damaged object's bytes this way), durably; False when taken
@@ -115,6 +116,9 @@ class Backend(Protocol):
     def list(self, prefix: str) -> list[str]:
         """Every name starting with `prefix`, at any depth, sorted; names the backend did not
         write (its own temporary files) are skipped."""
+
+    def list_sizes(self, prefix: str) -> list[tuple[str, int]]:
+        """(name, size) of every blob `list(prefix)` names, in the same order."""
 
     def delete(self, name: str) -> bool:
         """Remove the blob; True when there was one."""

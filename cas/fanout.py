@@ -36,11 +36,25 @@ class Fanout:
     def iterate(self) -> Iterator[bytes]:
         """Every key present; names that are not ours (wrong length, not hex, wrong folder) are
         skipped."""
-        start = len(self.prefix) + 1
         for name in self.backend.list(self.prefix + "/"):
-            fan, _, hexed = name[start:].partition("/")
-            if len(fan) == 2 and len(hexed) == 2 * KEY_SIZE and hexed.startswith(fan):
-                try:
-                    yield bytes.fromhex(hexed)
-                except ValueError:
-                    continue
+            key = self._key_of(name)
+            if key is not None:
+                yield key
+
+    def sizes(self) -> dict[bytes, int]:
+        """Every key present with its blob's size, from one listing (a bucket's carries sizes)."""
+        out = {}
+        for name, size in self.backend.list_sizes(self.prefix + "/"):
+            key = self._key_of(name)
+            if key is not None:
+                out[key] = size
+        return out
+
+    def _key_of(self, name: str) -> bytes | None:
+        fan, _, hexed = name[len(self.prefix) + 1:].partition("/")
+        if len(fan) == 2 and len(hexed) == 2 * KEY_SIZE and hexed.startswith(fan):
+            try:
+                return bytes.fromhex(hexed)
+            except ValueError:
+                return None
+        return None

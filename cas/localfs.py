@@ -107,6 +107,15 @@ class LocalBackend:
         directory = self.path(folder) if folder else self.root
         return sorted(_walk(directory, folder, start))
 
+    def list_sizes(self, prefix: str) -> list[tuple[str, int]]:
+        """(name, size) of each name under `prefix` (one stat each: a folder's listing has none)."""
+        out = []
+        for name in self.list(prefix):
+            size = self.stat(name)
+            if size is not None:  # removed between the listing and the stat
+                out.append((name, size))
+        return out
+
     # --- writes -----------------------------------------------------------------------------
     def put_if_absent(self, name: str, parts: Iterable) -> bool:
         path = self.path(name)

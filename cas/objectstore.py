@@ -134,12 +134,18 @@ def begin_lease(backend: Backend | None, lease: bytes, purpose: str):
 
 class ObjectStore:
     def __init__(self, index: Index, files: FileObjects, packs: PackFiles, codec: CodecPolicy,
-                 pack_max: int = DEFAULT_PACK_MAX, backend: Backend | None = None) -> None:
+                 pack_max: int = DEFAULT_PACK_MAX, backend: Backend | None = None,
+                 pack_target: int = PACK_TARGET) -> None:
         self.index = index
         self.files = files
         self.packs = packs
         self.codec = codec
         self.pack_max = pack_max
+        self.pack_target = pack_target  # a writer starts a new pack (a segment, in a bucket) past this
+        # In an object store blobs are immutable and only gc deletes them, so an indexed pack
+        # entry is trusted without asking the store per object (a HEAD each would cost an
+        # unchanged re-save one request per chunk); a local pack is checked, one stat each.
+        self.trust_packs = backend is not None and not backend.capabilities.batched_sync
         self.backend = backend  # where writers' leases live (None: leases in the index alone)
         self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
         self.sessions_lock = threading.Lock()
@@ -354,6 +360,8 @@ class WriteSession:
         if rec is None:
             return False
         if rec.where == WHERE_PACK:
+            if self.store.trust_packs:
+                return True
             size = self.store.packs.size(rec.pack)
             return size is not None and rec.offset + rec.stored_size <= size
         return self.store.files.has(key) == rec.stored_size
@@ -389,7 +397,7 @@ class WriteSession:
         with self._lock:
             self._pending_small[key] = (blob, raw_size, base, depth)
             self._pending_bytes += len(blob)
-            full = self._pending_bytes >= PACK_TARGET
+            full = self._pending_bytes >= self.store.pack_target
         if full:
             self._flush_pack()
 
@@ -399,7 +407,7 @@ class WriteSession:
             pending, self._pending_small, self._pending_bytes = self._pending_small, {}, 0
         if not pending:
             return
-        pack, placed = self.store.packs.write([(k, item[0]) for k, item in pending.items()])
+        pack, placed = self.store.packs.write([(k, item[0], item[1], item[2]) for k, item in pending.items()])
         with self._lock:
             for key, offset, length in placed:
                 _, raw_size, base, depth = pending[key]

@@ -6,27 +6,52 @@ is written once per save (more when it grows past PACK_TARGET), durable before t
 named packs/ab/<blake3 of its bytes> in the backend. It is self-describing, so the index can be
 rebuilt from packs and object files alone (`cas repair`):
 
-    magic  b"caspack1"                                     8 bytes
-    entry  key (32) | length (u32 LE) | encoded object      repeated
+    magic   b"caspack2"                                     8 bytes (b"caspack1": no footer)
+    entry   key (32) | length (u32 LE) | encoded object     repeated
+    footer  msgpack [[key, offset, length, raw size, base key or nil], ...]
+    trailer footer length (u32 LE) | b"caspidx2"            12 bytes
+
+The footer lists what the entries' headers say, so a cache is rebuilt from a pack's tail alone:
+one ranged read per pack instead of the whole pack, which in a bucket is the difference between
+opening a store on a fresh host in a second and downloading it. Entries stay where format 1 had
+them; a format-1 pack is read by walking its entries.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Iterator
+
+import msgpack
 
 from .backend import Backend
 from .errors import BlobAbsentError, CorruptionError, MissingObjectError
 from .fanout import Fanout
 from .hashing import hash_bytes, to_hex
 
-PACK_MAGIC = b"caspack1"
+PACK_MAGIC = b"caspack2"
+PACK_MAGIC_V1 = b"caspack1"
+FOOTER_MAGIC = b"caspidx2"
 _ENTRY = struct.Struct("<32sI")
+_TRAILER = struct.Struct("<I8s")
+TAIL_READ = 64 << 10  # bytes read from a pack's end to find its footer (a second read when longer)
 PACK_HEADER = len(PACK_MAGIC)  # bytes before the first entry
 PACK_ENTRY_HEADER = _ENTRY.size  # bytes before each encoded object
 PACK_TARGET = 16 << 20  # a writer starts a new pack past this many bytes
 MAX_PACK = 1 << 31
 PREFIX = "packs"
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """One object in a pack, as its footer lists it."""
+
+    key: bytes
+    offset: int
+    length: int
+    raw_size: int
+    base: bytes | None
 
 
 class PackFiles(Fanout):
@@ -35,19 +60,26 @@ class PackFiles(Fanout):
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend, PREFIX)
 
-    def write(self, entries: list[tuple[bytes, bytes]]) -> tuple[bytes, list[tuple[bytes, int, int]]]:
-        """Write one pack durably; returns its key and (object key, offset, length) per entry.
-        A pack of that name holds these very bytes (its name is their hash), so one already
-        there is replaced: a damaged copy is healed, a sound one unchanged."""
-        parts, placed, offset = [PACK_MAGIC], [], len(PACK_MAGIC)
-        for key, blob in entries:
+    def write(self, entries: list[tuple[bytes, bytes, int, bytes | None]]) -> tuple[bytes, list[tuple[bytes, int, int]]]:
+        """Write one pack durably from (key, encoded object, raw size, base key) entries; returns
+        its key and (object key, offset, length) per entry. A pack of that name holds these very
+        bytes (its name is their hash): where the backend may replace, one already there is
+        replaced (a damaged copy is healed, a sound one unchanged); in a bucket it is kept."""
+        parts, placed, listed, offset = [PACK_MAGIC], [], [], len(PACK_MAGIC)
+        for key, blob, raw_size, base in entries:
             parts.append(_ENTRY.pack(key, len(blob)))
             parts.append(blob)
             offset += _ENTRY.size
             placed.append((key, offset, len(blob)))
+            listed.append([key, offset, len(blob), raw_size, base])
             offset += len(blob)
+        footer = msgpack.packb(listed, use_bin_type=True)
+        parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
         data = b"".join(parts)
         pack = hash_bytes(data)
+        if not self.backend.capabilities.batched_sync:  # an object store: durable once it answers
+            self.backend.put_if_absent(self.name(pack), [data])
+            return pack, placed
         staged = self.backend.stage(self.name(pack), [data], fsync=True)
         try:
             if not self.backend.publish(staged):
@@ -82,9 +114,10 @@ class PackFiles(Fanout):
         """(object key, offset, length) of each entry, read from the pack itself (for repair).
         Stops at the first entry that runs past the end of a truncated pack."""
         data = self.backend.get(self.name(pack))
-        if data[:len(PACK_MAGIC)] != PACK_MAGIC:
+        if data[:len(PACK_MAGIC)] not in (PACK_MAGIC, PACK_MAGIC_V1):
             raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
-        offset, size = len(PACK_MAGIC), len(data)
+        offset = len(PACK_MAGIC)
+        size = len(data) - (_footer_size(data) if data[:len(PACK_MAGIC)] == PACK_MAGIC else 0)
         while offset + _ENTRY.size <= size:
             key, length = _ENTRY.unpack_from(data, offset)
             offset += _ENTRY.size
@@ -92,3 +125,47 @@ class PackFiles(Fanout):
                 return
             yield key, offset, length
             offset += length
+
+    def listed(self, pack: bytes, size: int) -> list[PackEntry] | None:
+        """The pack's footer, read from its tail (one ranged read, two for a long footer); None
+        for a format-1 pack, which lists nothing (walk its entries). A footer that does not
+        parse, or places an entry outside the pack, is a CorruptionError."""
+        name = self.name(pack)
+        if size < len(PACK_MAGIC) + _TRAILER.size:
+            raise CorruptionError(f"pack {to_hex(pack)} is too short to be a pack ({size} bytes)")
+        start = max(0, size - TAIL_READ)
+        tail = self.backend.get(name, start, size - start)
+        if start == 0 and tail[:len(PACK_MAGIC)] == PACK_MAGIC_V1:
+            return None
+        length, magic = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)
+        if magic != FOOTER_MAGIC:
+            if start > 0 and self.backend.get(name, 0, len(PACK_MAGIC_V1)) == PACK_MAGIC_V1:
+                return None
+            raise CorruptionError(f"pack {to_hex(pack)} has no footer (truncated or damaged)")
+        end = size - _TRAILER.size
+        if length > end - len(PACK_MAGIC):
+            raise CorruptionError(f"pack {to_hex(pack)} names a footer longer than itself")
+        footer = tail[len(tail) - _TRAILER.size - length:len(tail) - _TRAILER.size] if end - length >= start \
+            else self.backend.get(name, end - length, length)
+        return _parse_footer(pack, footer, end - length)
+
+
+def _footer_size(data) -> int:
+    """Bytes of a format-2 pack's footer and trailer (0 when it has none that fits)."""
+    if len(data) < len(PACK_MAGIC) + _TRAILER.size:
+        return 0
+    length, magic = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    return length + _TRAILER.size if magic == FOOTER_MAGIC and length + _TRAILER.size <= len(data) else 0
+
+
+def _parse_footer(pack: bytes, footer, limit: int) -> list[PackEntry]:
+    try:
+        rows = msgpack.unpackb(bytes(footer), raw=False)
+        out = [PackEntry(bytes(k), int(o), int(n), int(r), None if b is None else bytes(b)) for k, o, n, r, b in rows]
+    except (ValueError, TypeError, msgpack.UnpackException):
+        raise CorruptionError(f"pack {to_hex(pack)} has a damaged footer") from None
+    for e in out:
+        if len(e.key) != 32 or (e.base is not None and len(e.base) != 32) or e.offset < len(PACK_MAGIC) \
+                or e.length < 0 or e.offset + e.length > limit:
+            raise CorruptionError(f"pack {to_hex(pack)} has a footer entry outside the pack")
+    return out

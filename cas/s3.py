@@ -255,6 +255,10 @@ class S3Backend:
 
     def list(self, prefix: str) -> list[str]:
         """Names under `prefix` (a plain string prefix of names), every page of ListObjectsV2."""
+        return [name for name, _ in self.list_sizes(prefix)]
+
+    def list_sizes(self, prefix: str) -> list[tuple[str, int]]:
+        """(name, size) under `prefix`, sorted: a listing says each size, so no HEAD is needed."""
         names, token = [], None
         while True:
             args = {"Bucket": self.bucket, "Prefix": self._root + prefix}
@@ -264,7 +268,7 @@ class S3Backend:
             for entry in page.get("Contents", ()):
                 name = entry["Key"][len(self._root):]
                 if all(p not in ("", ".", "..") and not p.startswith(".") for p in name.split("/")):
-                    names.append(name)
+                    names.append((name, int(entry["Size"])))
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return sorted(names)

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cas import faults
@@ -33,6 +34,8 @@ from .records import entry_name
 from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
 
+SCAN_THREADS = 16  # ranged reads of pack footers in flight while a cache is rebuilt
+
 
 @dataclass
 class RebuildReport:
@@ -45,21 +48,24 @@ class RebuildReport:
     seconds: float = 0.0
 
 
-def open_index(layout: L.Layout, *, readonly: bool, report: RebuildReport) -> tuple[Index, str | None]:
-    """The store's LMDB environment; a damaged one is moved aside (never deleted) and a fresh
-    one made, or for a read-only open a private one in a temporary folder (its path returned)."""
-    try:
-        return Index(layout.index, readonly=readonly, extra_tables=(TABLE,), optional_tables=(ORDER_TABLE,)), None
-    except (CasError, OSError) as exc:
-        report.skipped.append(f"index: {exc}")
-        report.reason = "the index cannot be opened"
+def open_index(folder: str, *, readonly: bool, report: RebuildReport) -> tuple[Index, str | None]:
+    """The store's LMDB environment in `folder`; a missing one is made, a damaged one moved
+    aside (never deleted) and a fresh one made, or, where the cache may not be written
+    (`readonly`: a read-only open of a local store), a private one in a temporary folder (its
+    path returned)."""
+    if os.path.isdir(folder) or readonly:
+        try:
+            return Index(folder, readonly=readonly, extra_tables=(TABLE,), optional_tables=(ORDER_TABLE,)), None
+        except (CasError, OSError) as exc:
+            report.skipped.append(f"index: {exc}")
+            report.reason = "the index cannot be opened"
     if readonly:
         return private_index()
-    if os.path.lexists(layout.index):
-        report.moved_aside = f"{layout.index}.damaged-{int(time.time())}-{os.getpid()}"
-        os.rename(layout.index, report.moved_aside)
-    os.makedirs(layout.index, exist_ok=True)
-    return Index(layout.index, create=True, extra_tables=TABLES), None
+    if os.path.lexists(folder):
+        report.moved_aside = f"{folder}.damaged-{int(time.time())}-{os.getpid()}"
+        os.rename(folder, report.moved_aside)
+    os.makedirs(folder, exist_ok=True)
+    return Index(folder, create=True, extra_tables=TABLES), None
 
 
 def private_index() -> tuple[Index, str]:
@@ -145,25 +151,50 @@ def ensure_current(store, report: RebuildReport) -> None:
 
 # --- finding objects again ----------------------------------------------------------------
 def _scan_packs(packs, copies: dict, report, *, check: bool, commits: list | None = None) -> int:
-    count = 0
-    for pack in packs.iterate():
-        count += 1
-        try:
-            for key, offset, length in packs.entries(pack):
-                blob = packs.read(pack, offset, length, key)
-                try:
-                    head = parse_header(blob, key=key)
-                    raw = decode_into(blob, key) if (check or commits is not None) and not head.base else None
-                except CorruptionError as exc:
-                    report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
-                    continue
-                copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
-                                                               base=head.base))
-                if commits is not None and raw is not None:
-                    _note_commit(key, raw, commits)
-        except (CorruptionError, OSError) as exc:
-            report.skipped.append(f"pack {pack.hex()}: {exc}")
-    return count
+    """Record every entry of every pack in `copies`. Packs with a footer are read from their
+    tails only, many at once (a bucket answers each ranged read in milliseconds); check=True
+    (repair) and format-1 packs read each entry and its header."""
+    sizes = packs.sizes()
+    footers = {}
+    if not check and commits is None:
+        with ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="cas-scan") as pool:
+            footers = dict(zip(sizes, pool.map(lambda item: _footer_or_error(packs, *item), sizes.items())))
+    for pack in sizes:
+        listed = footers.get(pack)
+        if isinstance(listed, Exception):
+            report.skipped.append(f"pack {pack.hex()}: {listed}")
+        elif listed is not None:
+            for e in listed:
+                copies.setdefault(e.key, []).append(ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset,
+                                                                 base=e.base))
+        else:
+            _scan_pack_entries(packs, pack, copies, report, check=check, commits=commits)
+    return len(sizes)
+
+
+def _footer_or_error(packs, pack: bytes, size: int):
+    try:
+        return packs.listed(pack, size)
+    except (CorruptionError, OSError) as exc:
+        return exc
+
+
+def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool, commits: list | None) -> None:
+    try:
+        for key, offset, length in packs.entries(pack):
+            blob = packs.read(pack, offset, length, key)
+            try:
+                head = parse_header(blob, key=key)
+                raw = decode_into(blob, key) if (check or commits is not None) and not head.base else None
+            except CorruptionError as exc:
+                report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
+                continue
+            copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
+                                                           base=head.base))
+            if commits is not None and raw is not None:
+                _note_commit(key, raw, commits)
+    except (CorruptionError, OSError) as exc:
+        report.skipped.append(f"pack {pack.hex()}: {exc}")
 
 
 def _note_commit(key: bytes, raw, commits: list) -> None:

@@ -93,23 +93,35 @@ def read_config(layout: Layout) -> Config:
         raise NotAStoreError(f"{layout.root} is not a cas store: it is a file, not a folder") from None
     except (ValueError, OSError) as exc:  # a directory named config, no permission, an I/O error
         raise NotAStoreError(f"{layout.root} is not a readable cas store: {exc}") from None
+    return parse_config(data, layout.root, layout.config)
+
+
+def parse_config(data: bytes, root: str, where: str) -> Config:
+    """The config a store's config blob holds (`root`, `where`: the store and the blob, for messages)."""
     if not data.startswith(CONFIG_MAGIC):
-        raise NotAStoreError(f"{layout.root} is not a cas store: its {CONFIG_NAME} file is not a cas config")
+        raise NotAStoreError(f"{root} is not a cas store: its {CONFIG_NAME} file is not a cas config")
     try:
         raw = msgpack.unpackb(data[len(CONFIG_MAGIC):], raw=False)
         fmt = raw["format"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-        raise NotAStoreError(f"the cas config at {layout.config} is damaged") from None
+        raise NotAStoreError(f"the cas config at {where} is damaged") from None
     if fmt not in READABLE_FORMATS:
-        raise FormatVersionError(f"the store at {layout.root} has format version {fmt!r}; this cas "
+        raise FormatVersionError(f"the store at {root} has format version {fmt!r}; this cas "
                                  f"reads versions {READABLE_FORMATS} (upgrade cas to open it)")
     try:
         config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]))
     except (KeyError, TypeError, ValueError):
-        raise NotAStoreError(f"the cas config at {layout.config} is damaged") from None
+        raise NotAStoreError(f"the cas config at {where} is damaged") from None
     if not MIN_CHUNK_SIZE <= config.chunk_size <= MAX_CHUNK_SIZE:
-        raise NotAStoreError(f"the cas config at {layout.config} has an implausible chunk size {config.chunk_size}")
+        raise NotAStoreError(f"the cas config at {where} has an implausible chunk size {config.chunk_size}")
     return config
+
+
+def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float | None = None) -> bytes:
+    """A new store's config blob."""
+    return CONFIG_MAGIC + msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size,
+                                         "created": time.time() if created is None else created,
+                                         "store_id": store_id or secrets.token_hex(8)})
 
 
 def can_create(root: str) -> bool:
@@ -157,8 +169,5 @@ def write_config(layout: Layout, *, chunk_size: int, store_id: str | None = None
     """Write the config of a new store: the last step of creating one, so that a half-made
     store is not a store. (Rewritten once more, with the same id, when a format-1 store is
     upgraded: an atomic replace, so it holds one format or the other.)"""
-    body = msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size,
-                          "created": time.time() if created is None else created,
-                          "store_id": store_id or secrets.token_hex(8)})
-    atomic_write(layout.config, [CONFIG_MAGIC, body])
+    atomic_write(layout.config, [config_bytes(chunk_size=chunk_size, store_id=store_id, created=created)])
     fsync_dir(layout.root)

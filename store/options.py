@@ -37,6 +37,8 @@ class StoreOptions:
     save_async calls in flight at once. delta: code changed floating-point chunks against the
     previous save; max_chain: how deep such chains may grow; delta_memory: bytes of the last
     save kept in memory for that (None: all of them; the rest is read back from the store).
+    cache_dir: where a bucket store's LMDB cache lives (default $CAS_CACHE_DIR, else
+    ~/.cache/cas); two processes with different cache folders behave as two hosts.
     """
 
     create: bool = True
@@ -51,6 +53,7 @@ class StoreOptions:
     delta: bool = False
     max_chain: int = DEFAULT_MAX_CHAIN
     delta_memory: int | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         checked_level(self.compression_level)
@@ -63,6 +66,8 @@ class StoreOptions:
             raise CasError(f"max_inflight must be an int >= 1 (saves in flight at once), got {self.max_inflight!r}")
         if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
             raise CasError(f"workers must be an int >= 1 or None, got {self.workers!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise CasError(f"cache_dir must be a folder's path or None, got {self.cache_dir!r}")
         for name in ("window_bytes", "pack_max"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:

@@ -18,10 +18,10 @@ from cas import faults
 from cas.codecs import CodecPolicy
 from cas.errors import (CasError, CheckpointNotFoundError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
-from cas.localfs import LocalBackend
+from cas.backend import MAX_BLOB
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
-from cas.packs import PackFiles
+from cas.packs import PACK_TARGET, PackFiles
 
 from . import cache
 from . import layout as L
@@ -29,6 +29,7 @@ from . import bases as delta_bases
 from . import pipeline
 from .background import BackgroundSaves, SaveFuture
 from .commit import SaveRecord, commit_save
+from .location import SEGMENT_BYTES, locate
 from .options import StoreOptions, checked_meta, checked_metrics
 from .reader import CheckpointReader
 from .records import RecordLog
@@ -60,26 +61,30 @@ class CheckpointStore:
         """Open (or create) the store at `path`; `options` and/or their keywords, see StoreOptions."""
         self.options = opts = StoreOptions.of(options, **option_values)
         create, readonly, chunk_size = opts.create, opts.readonly, opts.chunk_size
-        self.path = os.path.abspath(os.fspath(path))
+        self.location = where = locate(path, cache_dir=opts.cache_dir)
+        self.path = where.name  # the absolute path, or the bucket URL
         self._pid = os.getpid()  # the process whose threads and LMDB environment these are
-        self.layout = L.Layout(self.path)
+        self.layout = where.layout if where.local else None
         self.created = False  # whether this open created the store
-        if not os.path.exists(self.layout.config):
-            if not (create and not readonly and L.can_create(self.path)):
-                L.read_config(self.layout)  # raises the precise NotAStoreError
-            self._create(chunk_size or L.DEFAULT_CHUNK_SIZE)
-        self.config = L.read_config(self.layout)
+        if not where.has_config():
+            if not (create and not readonly and where.can_create()):
+                where.read_config()  # raises the precise NotAStoreError
+            self.created = where.create(chunk_size or L.DEFAULT_CHUNK_SIZE)
+        self.config = where.read_config()
         if chunk_size is not None and chunk_size != self.config.chunk_size:
             raise CasError(f"the store at {self.path} was created with chunk_size {self.config.chunk_size}; "
                            f"it cannot be opened with {chunk_size} (leave chunk_size out)")
-        self.readonly = readonly or not _writable(self.layout)
-        self.backend = LocalBackend(self.path)
+        self.readonly = readonly or not where.writable()
+        self.backend = where.backend
         self.records = RecordLog(self.backend, self.path)
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._open_cache()
+        # In a bucket every object goes into segments (packs): one PUT per segment, never a name
+        # two writers could race to fill with different encodings of one object.
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
-                                   CodecPolicy(compress=opts.compress, level=opts.compression_level), opts.pack_max,
-                                   backend=self.backend)
+                                   CodecPolicy(compress=opts.compress, level=opts.compression_level),
+                                   opts.pack_max if where.local else MAX_BLOB, backend=self.backend,
+                                   pack_target=PACK_TARGET if where.local else SEGMENT_BYTES)
         try:
             self._check_cache()
         except BaseException:
@@ -103,29 +108,18 @@ class CheckpointStore:
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._closed = False
 
-    def _create(self, chunk_size: int) -> None:
-        """Create the store, unless another process did while this one waited for the lock."""
-        L.check_chunk_size(chunk_size)
-        with L.creation_lock(self.path):
-            if os.path.exists(self.layout.config):
-                return  # another process created it while this one waited
-            if not L.can_create(self.path):  # someone put something else here meanwhile
-                L.read_config(self.layout)
-            for folder in L.LAYOUT_FOLDERS:
-                os.makedirs(os.path.join(self.path, folder), exist_ok=True)
-            faults.point("store.creating")
-            L.write_config(self.layout, chunk_size=chunk_size)  # the cache is built at the first open
-            self.created = True
-
     # --- the index: a cache of the store -------------------------------------------------
     def _open_cache(self) -> None:
         """Open the LMDB cache; a read-only open whose cache does not match the store uses a
         private one instead (store/cache.py), so it changes nothing in the store."""
         self.cache_report = report = cache.RebuildReport()
-        self.index, self._private_cache = cache.open_index(self.layout, readonly=self.readonly, report=report)
+        # a bucket store's cache is this host's own: written even when the store is opened read-only
+        self.index, self._private_cache = cache.open_index(self.location.index_dir(self.config),
+                                                            readonly=self.readonly and self.location.local,
+                                                            report=report)
         legacy = self.config.format == 1 and self.readonly  # read as format 1 wrote it, no log
         self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild)
-        if legacy or not self.readonly or self._private_cache is not None:
+        if legacy or not self.readonly or self._private_cache is not None or not self.location.local:
             return
         with self.index.read() as txn:
             report.reason = cache.why_stale(self, txn)
@@ -497,11 +491,6 @@ class CheckpointStore:
     def tensors(self, step: int) -> list[dict]:
         """Per tensor of a checkpoint: path, dtype, shape, bytes, chunk keys (for `cas show`)."""
         return self.reader(step).tensors()
-
-
-def _writable(layout: L.Layout) -> bool:
-    """Whether this process may change the store (its folder, and its index when present)."""
-    return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index) or os.access(layout.index, os.W_OK))
 
 
 

@@ -187,3 +187,18 @@ def s3_bucket(s3_server) -> str:
 @pytest.fixture
 def s3_prefix() -> str:
     return f"test-{secrets.token_hex(6)}"
+
+
+def point_env_at(server: SeaweedServer, monkeypatch) -> None:
+    """The environment a user sets for a bucket store (boto3's variables), aimed at `server`."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key or ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key or SECRET_KEY)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+
+
+@pytest.fixture
+def s3_url(s3_server, s3_bucket, s3_prefix, monkeypatch) -> str:
+    """A fresh store URL in the session's bucket, with the environment pointing at the server."""
+    point_env_at(s3_server, monkeypatch)
+    return f"s3://{s3_bucket}/{s3_prefix}"

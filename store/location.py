@@ -1,0 +1,148 @@
+"""Where a store lives, and where its cache lives: a folder on this host, or a key prefix in
+an S3 bucket (`s3://bucket/prefix`) with its LMDB cache in a folder of this host.
+
+A store is named by a path, `file://PATH` or `s3://BUCKET/PREFIX`; any other `scheme:/...` is
+refused rather than taken as a folder name (`./s3:/bucket/...` once "saved" silently).
+
+In a bucket the config is a blob like any other, created create-only (two hosts creating one
+store at once: one config wins, both open it), and every object goes into packs of about
+`SEGMENT_BYTES` (segments): one PUT per segment instead of one per chunk, read back by ranged
+GETs. The cache of a bucket store lives in `cache_dir` (the option), else `$CAS_CACHE_DIR`,
+else `~/.cache/cas`, one folder per store; two processes with different cache folders behave
+as two hosts, and a host with none rebuilds it from the bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from cas import faults
+from cas.backend import Backend
+from cas.errors import BlobAbsentError, CasError, NotAStoreError
+from cas.hashing import hash_bytes
+from cas.localfs import LocalBackend
+
+from . import layout as L
+
+CACHE_ENV = "CAS_CACHE_DIR"
+SEGMENT_BYTES = 32 << 20  # bench/bench_s3.py: requests and throughput by segment size
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "cas")
+
+
+def parse_target(target) -> tuple[str, str]:
+    """("local", absolute path) or ("s3", url) for what names a store."""
+    text = os.fspath(target)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    match = _SCHEME.match(text)
+    if match is None:
+        return "local", os.path.abspath(text)
+    scheme = match.group(1).lower()
+    if scheme == "file":
+        path = text[len("file:"):]
+        if path.startswith("//"):  # file:///abs/path, or file://host/path for this host
+            path = path[2:]
+            if not path.startswith("/"):
+                host, _, rest = path.partition("/")
+                if host not in ("", "localhost"):
+                    raise CasError(f"{text!r} names a file on host {host!r}; a file:// store must be on this host")
+                path = "/" + rest
+        return "local", os.path.abspath(path or ".")
+    if scheme == "s3":
+        if not text.lower().startswith("s3://"):
+            raise CasError(f"{text!r} is not an S3 URL: write s3://BUCKET/PREFIX")
+        return "s3", "s3://" + text[len("s3://"):]
+    raise CasError(f"{text!r}: unknown scheme {scheme}://; a store is a path, file://PATH or s3://BUCKET/PREFIX")
+
+
+@dataclass
+class Location:
+    """A store's place: its backend, its config blob, and the folder of its LMDB cache."""
+
+    kind: str  # "local" or "s3"
+    name: str  # the absolute path or the URL (store.path, messages)
+    backend: Backend
+    cache_dir: str | None = None  # bucket stores: where their caches live
+
+    @property
+    def local(self) -> bool:
+        return self.kind == "local"
+
+    @property
+    def layout(self) -> L.Layout:
+        return L.Layout(self.name)
+
+    def read_config(self) -> L.Config:
+        """The config, or the NotAStoreError that says precisely why there is none."""
+        if self.local:
+            return L.read_config(self.layout)
+        try:
+            data = self.backend.get(L.CONFIG_NAME)
+        except BlobAbsentError:
+            raise NotAStoreError(f"{self.name} is not a cas store (it has no {L.CONFIG_NAME} object); open an "
+                                 "empty prefix to create one") from None
+        return L.parse_config(bytes(data), self.name, self.backend.where(L.CONFIG_NAME))
+
+    def has_config(self) -> bool:
+        if self.local:
+            return os.path.exists(self.layout.config)
+        return self.backend.stat(L.CONFIG_NAME) is not None
+
+    def can_create(self) -> bool:
+        """Whether a store may be made here: a missing or empty folder (see layout.can_create),
+        or a prefix that holds nothing (a bucket prefix with other data is not ours)."""
+        if self.local:
+            return L.can_create(self.name)
+        return not self.backend.list("")
+
+    def create(self, chunk_size: int) -> bool:
+        """Make the store; False when another process made it first (it is opened then)."""
+        L.check_chunk_size(chunk_size)
+        if self.local:
+            return _create_folder(self.layout, chunk_size)
+        return self.backend.put_if_absent(L.CONFIG_NAME, [L.config_bytes(chunk_size=chunk_size)])
+
+    def writable(self) -> bool:
+        """Whether this process may change the store (a bucket: found out at the first write)."""
+        if not self.local:
+            return True
+        layout = self.layout
+        return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index)
+                                                    or os.access(layout.index, os.W_OK))
+
+    def index_dir(self, config: L.Config) -> str:
+        """The LMDB cache's folder: in the store's folder, or per bucket store in the cache dir."""
+        if self.local:
+            return self.layout.index
+        tag = hash_bytes(self.name.encode()).hex()[:12]
+        return os.path.join(os.fspath(self.cache_dir or default_cache_dir()), f"{config.store_id}-{tag}", "index")
+
+
+def locate(target, *, cache_dir: str | None = None) -> Location:
+    """The Location `target` (a path, file://PATH or s3://BUCKET/PREFIX) names."""
+    kind, name = parse_target(target)
+    if kind == "local":
+        return Location(kind, name, LocalBackend(name))
+    from cas.s3 import S3Backend  # boto3 only for stores in a bucket (the `s3` extra)
+
+    backend = S3Backend.from_url(name)
+    return Location(kind, backend.url, backend, cache_dir)
+
+
+def _create_folder(layout: L.Layout, chunk_size: int) -> bool:
+    with L.creation_lock(layout.root):
+        if os.path.exists(layout.config):
+            return False  # another process created it while this one waited
+        if not L.can_create(layout.root):  # someone put something else here meanwhile
+            L.read_config(layout)
+        for folder in L.LAYOUT_FOLDERS:
+            os.makedirs(os.path.join(layout.root, folder), exist_ok=True)
+        faults.point("store.creating")
+        L.write_config(layout, chunk_size=chunk_size)  # the cache is built at the first open
+        return True

@@ -1,0 +1,108 @@
+"""Stores in a bucket, on a real S3 server (SeaweedFS, tests/s3server.py): the whole API over
+s3://, hosts (cache folders) sharing one store, races, and what a bucket may hold."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import cas
+from helpers import assert_same
+from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
+
+CHUNK = 64 << 10
+
+
+def state(seed: int, n: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(n)}, "step": seed,
+            "note": f"state {seed}"}
+
+
+def host(url: str, tmp_path, name: str, **options):
+    """A store opened as host `name` would: its own cache folder."""
+    return cas.open(url, cache_dir=str(tmp_path / f"cache-{name}"), chunk_size=CHUNK, **options)
+
+
+def test_the_whole_api_over_a_bucket(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as store:
+        assert store.created and store.path == s3_url
+        store.save(state(1), step=1, metrics={"loss": 1.0})
+        store.save(state(2), step=2, milestone=True)
+        assert_same(store.load(1), state(1))
+        assert_same(store.load(), state(2))
+        assert store.verify().ok
+        assert [ck.step for ck in store.checkpoints()] == [1, 2] and store.latest().step == 2
+        store.set_pinned(1)
+        assert store.get(1).pinned
+    with host(s3_url, tmp_path, "b") as fresh:  # a fresh host: an empty cache, everything seen
+        assert not fresh.created
+        assert [(ck.step, ck.pinned, ck.milestone) for ck in fresh.checkpoints()] == [(1, True, False), (2, False, True)]
+        assert_same(fresh.load(2), state(2))
+
+
+def test_two_hosts_saving_at_once_then_a_fresh_host_loads_all_and_dedups(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a"):
+        pass  # created once; the two writers open it
+    errors: list = []
+
+    def writer(name: str, steps) -> None:
+        try:
+            with host(s3_url, tmp_path, name) as store:
+                for step in steps:
+                    store.save(state(step), step=step)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n, s)) for n, s in (("a", (1, 3, 5)), ("b", (2, 4, 6)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with host(s3_url, tmp_path, "c") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [1, 2, 3, 4, 5, 6]
+        for step in range(1, 7):
+            assert_same(fresh.load(step), state(step))
+        again = fresh.save(state(3), step=7)  # the same tensors as step 3, written by host a
+        assert again.new_bytes < 4096, again.new_bytes
+        assert fresh.verify().ok
+
+
+def test_the_same_step_from_three_hosts_one_wins(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "x"):
+        pass
+    barrier = threading.Barrier(3)
+    outcome: dict = {}
+
+    def writer(name: str, seed: int) -> None:
+        with host(s3_url, tmp_path, name) as store:
+            barrier.wait()
+            try:
+                outcome[name] = store.save(state(seed), step=10).id
+            except cas.CheckpointExistsError as exc:
+                outcome[name] = exc
+
+    threads = [threading.Thread(target=writer, args=(n, i)) for i, n in enumerate("abc", 20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = {n: v for n, v in outcome.items() if isinstance(v, str)}
+    assert len(won) == 1 and len(outcome) == 3, outcome
+    winner = next(iter(won))
+    with host(s3_url, tmp_path, "d") as fresh:
+        assert [ck.id for ck in fresh.checkpoints()] == list(won.values())
+        assert_same(fresh.load(10), state(20 + "abc".index(winner)))
+
+
+def test_bad_urls_and_schemes_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(cas.CasError, match="unknown scheme gs://"):
+        cas.open("gs://bucket/x")
+    with pytest.raises(cas.CasError, match="not an S3 URL"):
+        cas.open("s3:/bucket/x")
+    store = cas.open(f"file://{tmp_path / 'local'}")
+    assert store.path == str(tmp_path / "local") and store.created
+    store.close()
