@@ -35,10 +35,12 @@ renewal (`lost`); callers choose ttl well above their pauses.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import re
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ PART_SIZE = 16 << 20
 PART_WORKERS = 4
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 LEASE_TTL = 60.0
+FIRST_CONTACT_TRIES = 3  # tries before a server that never answered is called unreachable
 _TOKEN_META = "cas-put"  # metadata key of a write's random token
 _TMP_TAIL = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # as in fsutil.tmp_name
 _CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
@@ -131,6 +134,9 @@ class S3Backend:
                                       config=config)
         self.endpoint = self.client.meta.endpoint_url
         self._bucket_seen = False
+        self._ever_answered = False  # whether any request got an answer from the server
+        self.requests: collections.Counter = collections.Counter()  # requests sent, by verb (GET, PUT, ...)
+        self._count_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options) -> "S3Backend":
@@ -157,11 +163,17 @@ class S3Backend:
                                          HTTPClientError, IncompleteReadError, NoCredentialsError)
 
         policy, began, attempt, reachable = retry or self.retry, time.monotonic(), 0, False
+        verb = what.split(" ", 1)[0]
         while True:
             attempt += 1
+            with self._count_lock:
+                self.requests[verb] += 1  # every request sent, retries included (bench/bench_s3.py)
             try:
-                return fn()
+                answer = fn()
+                self._ever_answered = True
+                return answer
             except ClientError as exc:
+                self._ever_answered = True
                 code, status = error_code(exc)
                 if code == "NoSuchBucket":
                     raise self._no_bucket() from None
@@ -181,7 +193,10 @@ class S3Backend:
                 last, reachable = str(exc), True
             pause = policy.delay(attempt)
             spent = time.monotonic() - began
-            if attempt >= policy.tries or spent + pause > policy.total:
+            # a server never reached yet (a wrong endpoint, nothing listening) is said at once,
+            # after a few tries; one that answered before gets the whole policy (a restart)
+            tries = policy.tries if reachable or self._ever_answered else min(policy.tries, FIRST_CONTACT_TRIES)
+            if attempt >= tries or spent + pause > policy.total:
                 kind = ObjectStoreUnavailableError if reachable else EndpointUnreachableError
                 verb = "kept failing" if reachable else "could not be reached"
                 raise kind(f"{self.url}: the server at {self.endpoint} {verb} for {what} ({last}) "

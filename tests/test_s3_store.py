@@ -106,3 +106,27 @@ def test_bad_urls_and_schemes_are_refused(tmp_path, monkeypatch):
     store = cas.open(f"file://{tmp_path / 'local'}")
     assert store.path == str(tmp_path / "local") and store.created
     store.close()
+
+
+def test_an_unchanged_resave_costs_at_most_ten_requests(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(state(1, n=8), step=1)
+        store.backend.requests.clear()
+        store.save(state(1, n=8), step=2)
+        sent = dict(store.backend.requests)
+    assert sum(sent.values()) <= 10, sent
+
+
+def test_a_missing_bucket_bad_credentials_or_no_server_is_one_clear_error(s3_server, monkeypatch, tmp_path):
+    from s3server import free_ports, point_env_at
+
+    point_env_at(s3_server, monkeypatch)
+    with pytest.raises(cas.CasError, match="bucket 'no-such-bucket' does not exist"):
+        cas.open("s3://no-such-bucket/x", cache_dir=str(tmp_path))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(cas.CasError, match="refused the credentials"):
+        cas.open("s3://no-such-bucket/x", cache_dir=str(tmp_path))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
+    with pytest.raises(cas.CasError, match="could not be reached"):
+        cas.open("s3://bucket/x", cache_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing made on this host either
