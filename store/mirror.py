@@ -194,14 +194,13 @@ class Mirror:
         """Report a failed push: a warning when pushes start failing or fail otherwise than
         before, and the status. The mirror store is opened again at the next try."""
         message = f"{type(exc).__name__}: {exc}"
-        with self._cond:
-            first = message != self._last_error
-            self._failures += 1
-            self._last_error = message
         self._close_dest()
-        if first and not self._stopping:
+        if message != self._last_error and not self._stopping:  # warned before it is counted
             warnings.warn(f"cas: pushing to the mirror {self.destination} failed ({message}); the checkpoints stay "
                           "here and the push is retried", RuntimeWarning, stacklevel=2)
+        with self._cond:
+            self._failures += 1
+            self._last_error = message
 
     def _close_dest(self) -> None:
         dest, self._dest = self._dest, None
