@@ -16,17 +16,78 @@ from .gc import GcReport, Marker, Retention, collect
 from .progress import ProgressCallback
 from .store import Checkpoint, interop
 from .store import CheckpointStore
+from .store.mirror import CLOSE_TIMEOUT, Mirror, MirrorStatus
+from .store.opening import open_or_create
+from .store.transfer import TransferReport, copy_checkpoints
 
 
 class Store(CheckpointStore):
     """A checkpoint store with retention: `cas.open(path, retention=Retention(keep_last=5))`
-    applies the policy after every save, like orbax's max_to_keep."""
+    applies the policy after every save, like orbax's max_to_keep. With `mirror=` (a path or
+    URL), every committed checkpoint is also pushed there in the background (store/mirror.py);
+    close() waits up to `mirror_timeout` seconds for pending pushes."""
 
-    def __init__(self, path: str | os.PathLike, *, retention: Retention | None = None, **options) -> None:
+    def __init__(self, path: str | os.PathLike, *, retention: Retention | None = None,
+                 mirror: str | os.PathLike | None = None, mirror_timeout: float = CLOSE_TIMEOUT,
+                 **options) -> None:
         _refuse_empty_policy(path, retention)  # before the store is opened, or created
         super().__init__(path, **options)
         self.retention = retention
         self._retention_paused = 0
+        self.mirror: Mirror | None = None
+        if mirror is not None:
+            try:
+                self.mirror = Mirror(self, mirror, close_timeout=mirror_timeout)
+            except BaseException:
+                super().close()
+                raise
+
+    # --- push, pull, mirror -----------------------------------------------------------------
+    def push(self, dest: "str | os.PathLike | CheckpointStore", steps=None, *,
+             progress: ProgressCallback | None = None) -> TransferReport:
+        """Copy checkpoints `steps` (all when None) to another store, a path or URL (created
+        there when missing) or an open store, with only the objects it lacks; ids preserved."""
+        self._check_open()
+        with _opened(dest, self.chunk_size) as target:
+            return copy_checkpoints(self, target, steps, progress=progress, why="push")
+
+    def pull(self, src: "str | os.PathLike | CheckpointStore", steps=None, *,
+             progress: ProgressCallback | None = None) -> TransferReport:
+        """Copy checkpoints `steps` (all when None) of another store into this one, with only the
+        objects this one lacks; then retention and the mirror run once, as after a save."""
+        self._check_writable("pull checkpoints")
+        with _opened(src, None) as source, self._retention_held():
+            report = copy_checkpoints(source, self, steps, progress=progress, why="pull")
+        if report.copied:
+            self.after_commit(report.copied[-1])
+        return report
+
+    def mirror_status(self) -> MirrorStatus | None:
+        """What the mirror holds back: pending steps, the last error (None without a mirror)."""
+        self._check_open()
+        return self.mirror.status() if self.mirror is not None else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every in-flight save is done (raising a failure nobody has looked at),
+        then until the mirror holds every checkpoint, retrying now, for at most `timeout`
+        seconds (None: until it does; see mirror_status())."""
+        super().wait()
+        if self.mirror is not None:
+            self.mirror.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for in-flight saves, then for pending pushes to the mirror (while they succeed,
+        within mirror_timeout: what is left stays here, unmirrored, with a warning, and is pushed
+        at the next open with mirror=), then release everything."""
+        if self.mirror is not None and not self._closed and os.getpid() == self._pid:
+            self._background.wait()  # their commits notify the mirror (and their retention keeps it in mind)
+            mirror, self.mirror = self.mirror, None
+            left = mirror.close()
+            if left:
+                warnings.warn(f"cas: {len(left)} checkpoint(s) of {self.path} are not yet in the mirror "
+                              f"{mirror.destination} (steps {left}): they stay here, unmirrored, and are pushed "
+                              "at the next open with mirror=", RuntimeWarning, stacklevel=2)
+        super().close()
 
     def gc(self, retention: Retention | None = None, *, dry_run: bool = False,
            progress: ProgressCallback | None = None, **rules) -> GcReport:
@@ -101,6 +162,8 @@ class Store(CheckpointStore):
         past, another process removing checkpoints throughout, a full disk, a keep_best metric
         no checkpoint has logged yet) must not make the committed save look failed: it warns,
         and the next save's gc tries again."""
+        if self.mirror is not None:
+            self.mirror.notify()
         if self.retention is None or self._retention_paused:
             return
         try:
@@ -109,6 +172,20 @@ class Store(CheckpointStore):
             warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
                           f"({type(exc).__name__}: {exc}); the next save's gc tries again",
                           RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _opened(store: "str | os.PathLike | CheckpointStore", chunk_size: int | None) -> Iterator[CheckpointStore]:
+    """An open store as it is, or the store at a path or URL, closed afterwards (created with
+    `chunk_size` when given and missing: a push's destination)."""
+    if isinstance(store, CheckpointStore):
+        yield store
+        return
+    opened = open_or_create(store, chunk_size=chunk_size) if chunk_size else Store(store, create=False, readonly=True)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 def _refuse_empty_policy(path: str | os.PathLike, retention: Retention | None) -> None:

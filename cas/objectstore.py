@@ -249,6 +249,7 @@ class WriteSession:
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
+        self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         self._lock = threading.Lock()
         self._open = True
         # The lease file first (its lock is what proves this writer alive to gc, in any PID
@@ -392,6 +393,37 @@ class WriteSession:
         with self._lock:
             self._moves.add(key)
         self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)
+
+    def put_encoded(self, key: bytes, blob, *, raw_size: int, base: bytes | None) -> int:
+        """Store an object encoded elsewhere (another store's copy: push, pull, mirror) as it is,
+        so its key and blake3 check stay end to end; returns its size. The caller claimed `key`
+        and decoded `blob` to it. Its header must give `raw_size` and `base`; a delta's base must
+        be stored here or put earlier in this session (its depth follows that base's)."""
+        head = parse_header(blob, key=key)
+        if head.raw_size != raw_size or head.base != base:
+            raise CorruptionError(f"object header gives {head.raw_size} raw bytes and base "
+                                  f"{head.base.hex() if head.base else None}, its record {raw_size} and "
+                                  f"{base.hex() if base else None}", key=key.hex())
+        depth = 0
+        if base is not None:
+            with self._lock:
+                rec = self._records.get(base)
+                below = self._put.get(base, rec.depth if rec is not None else None)
+            if below is None:
+                raise MissingObjectError("the delta base of a copied object is neither stored here nor copied "
+                                         "before it", key=base.hex())
+            depth = below + 1
+        with self._lock:
+            self._put[key] = depth
+        size = memoryview(blob).nbytes
+        if size <= self.store.pack_max:
+            self._add_small(key, bytes(blob), raw_size, base, depth)
+        else:
+            staged = self.store.files.stage(key, [blob])
+            with self._lock:
+                self._staged.append(staged)
+                self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size, base=base, depth=depth)
+        return size
 
     def _add_small(self, key: bytes, blob: bytes, raw_size: int, base: bytes | None, depth: int) -> None:
         with self._lock:

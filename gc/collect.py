@@ -30,7 +30,7 @@ from cas.progress import ProgressCallback
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
-from .retention import Retention
+from .retention import Retention, keep_unmirrored
 
 SWEEP_BATCH = 512
 MARK_ATTEMPTS = 5  # marks restarted because another process removed checkpoints meanwhile
@@ -49,6 +49,7 @@ class GcReport:
     packs_removed: int = 0
     packs_rewritten: int = 0
     deferred: str | None = None  # why the sweep deleted nothing this time, if it had to wait
+    held_for_mirror: list[int] = field(default_factory=list)  # kept only because not yet mirrored
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
 
@@ -60,6 +61,7 @@ class GcReport:
                 "reclaimed_bytes": self.reclaimed_bytes, "packs_removed": self.packs_removed,
                 "packs_rewritten": self.packs_rewritten,
                 "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
+                "held_for_mirror": self.held_for_mirror,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
 
@@ -136,9 +138,12 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
     report = GcReport(dry_run=dry_run)
     if retention is not None and not retention.has_rules:
         retention = None
+    mirrored_only = getattr(store, "mirror", None) is not None  # a store opened with mirror=
 
     def choose(cks: list) -> list[int]:
         decisions = retention.decide(cks) if retention is not None else {ck.step: ["kept"] for ck in cks}
+        if mirrored_only:
+            report.held_for_mirror = keep_unmirrored(cks, decisions)
         report.kept = [(ck, decisions[ck.step]) for ck in cks if decisions[ck.step]]
         report.removed = [ck for ck in cks if not decisions[ck.step]]
         return [ck.step for ck in report.removed]

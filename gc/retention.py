@@ -108,6 +108,18 @@ class Retention:
         return reasons
 
 
+UNMIRRORED = "not mirrored yet"
+
+
+def keep_unmirrored(checkpoints: Iterable, decisions: dict[int, list[str]]) -> list[int]:
+    """Keep every checkpoint no rule keeps that is not yet in the store's mirror (a store opened
+    with mirror=): retention never removes the only copy. Returns the steps so held."""
+    held = [ck.step for ck in checkpoints if not decisions[ck.step] and not ck.mirrored]
+    for step in held:
+        decisions[step].append(UNMIRRORED)
+    return held
+
+
 def _is_score(value) -> bool:
     """A number keep_best can rank: NaN (a diverged evaluation) is not one."""
     return isinstance(value, (int, float)) and value == value

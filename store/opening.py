@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from cas.errors import NotAStoreError
+
 from .store import CheckpointStore
 
 
@@ -25,3 +27,12 @@ def given_or_opened(store: str | os.PathLike | CheckpointStore, **options) -> tu
     if isinstance(store, CheckpointStore):
         return store, False
     return open_path(store, **options), True
+
+
+def open_or_create(path: str | os.PathLike, *, chunk_size: int) -> CheckpointStore:
+    """The store at `path` as it is, or a new one there with `chunk_size` (a copy's destination:
+    made with its source's chunk size, so the source's later saves dedup against it)."""
+    try:
+        return open_path(path, create=False)
+    except NotAStoreError:
+        return open_path(path, chunk_size=chunk_size)

@@ -30,7 +30,7 @@ ENTRY_MAGIC = b"cas-log\n"
 ENTRY_FORMAT = 1
 MAX_ENTRY = 64 << 20  # a migration entry lists every checkpoint of a store; far below this
 OPS = ("add", "set", "remove")
-FLAGS = ("milestone", "pinned")
+FLAGS = ("milestone", "pinned", "mirrored")  # mirrored: pushed to the store's mirror (older entries lack it)
 
 
 def entry_name(seq: int) -> str:

@@ -23,7 +23,7 @@ import msgpack
 from cas import faults
 from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError, StoreWriteError
 
-from .records import RecordLog
+from .records import FLAGS, RecordLog
 
 TABLE = "checkpoints"
 ORDER_TABLE = "order"
@@ -59,6 +59,7 @@ class Checkpoint:
     new_bytes: int  # bytes its save added on disk
     pinned: bool = False
     seq: int = 0  # the record log entry that committed it: commit order, never the wall clock
+    mirrored: bool = False  # pushed to the mirror of the store it lives in (a `set` entry says so)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -68,17 +69,19 @@ class Checkpoint:
     def to_json(self) -> dict:
         return {"step": self.step, "id": self.id, "created": self.created.isoformat(),
                 "milestone": self.milestone, "pinned": self.pinned, "metrics": self.metrics, "meta": self.meta,
-                "logical_bytes": self.logical_bytes, "new_bytes": self.new_bytes, "seq": self.seq}
+                "logical_bytes": self.logical_bytes, "new_bytes": self.new_bytes, "seq": self.seq,
+                "mirrored": self.mirrored}
 
 
-_KNOWN = {"format", "id", "created", "milestone", "pinned", "metrics", "meta", "logical_bytes", "new_bytes", "seq"}
+_KNOWN = {"format", "id", "created", "milestone", "pinned", "metrics", "meta", "logical_bytes", "new_bytes", "seq",
+          "mirrored"}
 
 
 def _pack(ck: Checkpoint) -> bytes:
     return msgpack.packb({"format": RECORD_FORMAT, "id": ck.key, "created": ck.created.timestamp(),
                           "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics,
                           "meta": ck.meta, "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes,
-                          "seq": ck.seq, **ck.extra}, use_bin_type=True)
+                          "seq": ck.seq, "mirrored": ck.mirrored, **ck.extra}, use_bin_type=True)
 
 
 def _unpack(step: int, data: bytes) -> Checkpoint:
@@ -90,7 +93,7 @@ def _unpack(step: int, data: bytes) -> Checkpoint:
             milestone=bool(rec["milestone"]), pinned=bool(rec.get("pinned", False)),
             metrics=dict(rec["metrics"]), meta=dict(rec["meta"]),
             logical_bytes=int(rec["logical_bytes"]), new_bytes=int(rec["new_bytes"]), seq=int(rec.get("seq", 0)),
-            extra={k: v for k, v in rec.items() if k not in _KNOWN})
+            mirrored=bool(rec.get("mirrored", False)), extra={k: v for k, v in rec.items() if k not in _KNOWN})
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise CorruptionError(f"registry record of step {step} is damaged: {exc}") from None
 
@@ -246,7 +249,7 @@ class Registry:
                 txn.delete(current.seq.to_bytes(8, "big") + step_key(step), db=self.order)
                 out.append(current)
             else:
-                ck = dataclasses.replace(current, **{f: change[f] for f in ("milestone", "pinned") if f in change})
+                ck = dataclasses.replace(current, **{f: change[f] for f in FLAGS if f in change})
                 txn.put(step_key(step), _pack(ck), db=self.db)
                 out.append(ck)
         return out

@@ -454,6 +454,19 @@ class CheckpointStore:
         """A pinned checkpoint cannot be deleted, by hand or by any retention rule."""
         return self._update(step, "pin" if flag else "unpin", pinned=bool(flag))
 
+    def set_mirrored(self, ck: Checkpoint) -> Checkpoint | None:
+        """Record that checkpoint `ck` is in this store's mirror (one record log entry, so the
+        store, not a process's memory, says what is mirrored). None when that checkpoint is gone
+        or its step was saved again meanwhile: nothing is recorded."""
+        self._check_writable(f"record checkpoint {ck.step} as mirrored")
+        with self.index.write() as txn:
+            current = self.registry.get(txn, ck.step)
+            if current is None or current.id != ck.id:
+                return None
+            if not current.mirrored:
+                self.registry.commit(txn, "mirrored", [set_change(current, mirrored=True)])
+        return dataclasses.replace(current, mirrored=True)
+
     def _update(self, step: int, why: str, **flags: bool) -> Checkpoint:
         """Change a checkpoint's flags: one record log entry, so the change outlives the cache."""
         self._check_writable(f"change checkpoint {step}")

@@ -61,13 +61,16 @@ def cmd_ls(store, args) -> int:
     if not cks:
         print(f"no checkpoints in {store.path}")
         return EXIT_OK
-    print(f"{'step':>10}  {'created (UTC)':19}  {'flags':5}  {'logical':>10}  {'new':>10}  {'exclusive':>10}  metrics")
+    mirrored = any(ck.mirrored for ck in cks)  # a store with a mirror: which of them it holds
+    print(f"{'step':>10}  {'created (UTC)':19}  {'flags':5}  {'logical':>10}  {'new':>10}  {'exclusive':>10}  "
+          + ("mirrored  " if mirrored else "") + "metrics")
     for ck in cks:
         flags = ("M" if ck.milestone else "-") + ("P" if ck.pinned else "-")
         metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in ck.metrics.items())
         only = human(exclusive[ck.step]) if ck.step in exclusive else "?"
+        column = f"{'yes' if ck.mirrored else 'no':8}  " if mirrored else ""
         print(f"{ck.step:>10}  {ck.created:%Y-%m-%d %H:%M:%S}  {flags:5}  {human(ck.logical_bytes):>10}  "
-              f"{human(ck.new_bytes):>10}  {only:>10}  {metrics}")
+              f"{human(ck.new_bytes):>10}  {only:>10}  {column}{metrics}")
     return EXIT_OK
 
 
@@ -220,6 +223,8 @@ def cmd_gc(store, args) -> int:
           + (" (dry run: nothing changed)" if args.dry_run else ""))
     if report.deferred:
         print(f"sweep deferred: {report.deferred}")
+    if report.held_for_mirror:
+        print(f"kept {len(report.held_for_mirror)} checkpoints no rule keeps: not yet in the store's mirror")
     return EXIT_OK
 
 

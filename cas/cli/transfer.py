@@ -1,0 +1,52 @@
+"""The transfer commands: `cas push DEST [STEP...]` and `cas pull SRC [STEP...]`.
+
+They copy checkpoints between the store (`--store`, $CAS_STORE) and another store, a path or
+URL, with only the objects the receiving store lacks; checkpoint ids are preserved. They
+register with base.command like the commands of cas.cli.commands; cas.cli imports all of them.
+"""
+
+from __future__ import annotations
+
+from cas.progress import progress_for
+
+from .base import EXIT_OK, command, emit_json, human, parse_step
+
+
+def _add_transfer(other: str, what: str):
+    def add(p) -> None:
+        p.add_argument(other, help=what)
+        p.add_argument("steps", type=parse_step, nargs="*", metavar="STEP", help="only these steps (default: all)")
+        p.add_argument("--json", action="store_true")
+    return add
+
+
+@command("push", "copy checkpoints to another store (a path or URL, created when missing) with only the "
+         "objects it lacks; checkpoint ids are preserved",
+         _add_transfer("dest", "the store to copy into"), read_only=True)
+def cmd_push(store, args) -> int:
+    with progress_for(args) as progress:
+        report = store.push(args.dest, args.steps or None, progress=progress)
+    return _print(report, "pushed", args)
+
+
+@command("pull", "copy checkpoints of another store (a path or URL) into this one with only the objects "
+         "it lacks; checkpoint ids are preserved",
+         _add_transfer("src", "the store to copy from"), creates_store=True)
+def cmd_pull(store, args) -> int:
+    with progress_for(args) as progress:
+        report = store.pull(args.src, args.steps or None, progress=progress)
+    return _print(report, "pulled", args)
+
+
+def _print(report, verb: str, args) -> int:
+    if args.json:
+        emit_json(report.to_json())
+        return EXIT_OK
+    for ck in report.already_there:
+        print(f"already there  {ck.step:>10}  {ck.id}")
+    for ck in report.copied:
+        print(f"{verb:14} {ck.step:>10}  {ck.id}")
+    print(f"{verb} {len(report.copied)} checkpoints from {report.source} to {report.destination}, "
+          f"{len(report.already_there)} already there; {report.objects_copied} objects copied "
+          f"({human(report.bytes_copied)}), {report.objects_skipped} already there")
+    return EXIT_OK

@@ -1,0 +1,244 @@
+"""Copy checkpoints between stores with only the objects the destination lacks: push, pull and
+the mirror's background pushes.
+
+Objects travel as their ENCODED bytes (no decode and re-encode: a delta stays a delta of the same
+base), but each one is decoded once as it is read from the source and checked against its key,
+so a damaged source object is a CorruptionError naming it and nothing of that checkpoint is
+committed. Every object a checkpoint reaches is copied unless the destination holds it:
+manifest nodes, chunks, and every delta base down each chunk's chain (a base before the deltas
+coded against it). The checkpoint then commits in the destination as a save does: one write
+session (claims hold every object against the destination's gc), its objects durable first,
+then one record log entry with the same commit key (the same checkpoint id), step, created
+time, metrics, meta and flags. Only the stores' public API and the object layer are used, so
+any pair of stores works (folders, buckets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from cas.errors import CheckpointExistsError, CorruptionError, ReadOnlyStoreError
+from cas.objectstore import WriteSession, decode_chain
+from cas.progress import ProgressCallback
+
+from .registry import Checkpoint, add_change
+from .tree import node_children, parse_node
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
+
+BATCH = 256  # objects claimed in the destination in one index transaction
+
+
+@dataclass
+class TransferReport:
+    """What a copy did: checkpoints committed in the destination, those it held already (same
+    id), and the objects it wrote (encoded bytes) or found there."""
+
+    source: str
+    destination: str
+    copied: list[Checkpoint] = field(default_factory=list)
+    already_there: list[Checkpoint] = field(default_factory=list)
+    objects_copied: int = 0
+    objects_skipped: int = 0  # nodes and chunks the destination held (their chains are its own)
+    bytes_copied: int = 0
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "destination": self.destination,
+                "copied": [ck.to_json() for ck in self.copied],
+                "already_there": [ck.to_json() for ck in self.already_there],
+                "objects_copied": self.objects_copied, "objects_skipped": self.objects_skipped,
+                "bytes_copied": self.bytes_copied}
+
+
+def chosen(src: "CheckpointStore", steps=None) -> list[Checkpoint]:
+    """The checkpoints of `src` to copy, in commit order: all when `steps` is None (a step or
+    several; a missing one is CheckpointNotFoundError)."""
+    if steps is None:
+        cks = src.checkpoints()
+    else:
+        steps = [steps] if isinstance(steps, int) else list(steps)
+        cks = [src.resolve(step) for step in dict.fromkeys(steps)]
+    return sorted(cks, key=lambda ck: (ck.seq, ck.step))
+
+
+def copy_checkpoints(src: "CheckpointStore", dst: "CheckpointStore", steps=None, *,
+                     progress: ProgressCallback | None = None, why: str = "copy") -> TransferReport:
+    """Copy checkpoints `steps` of `src` (all when None) into `dst`, in commit order, each in one
+    registry commit. A step `dst` holds with the same id is skipped (already there); with
+    another id the copy is refused (CheckpointExistsError naming the step and both ids) before
+    anything is written. `why` is what dst's record log says made the change (push, pull, mirror)."""
+    report = TransferReport(src.path, dst.path)
+    if dst.readonly:
+        raise ReadOnlyStoreError(f"the store at {dst.path} is open read-only; cannot copy checkpoints into it")
+    dst.ensure_cache()
+    todo = []
+    for ck in chosen(src, steps):
+        there = _held(dst, ck)
+        if there is None:
+            todo.append(ck)
+        else:
+            report.already_there.append(there)
+    workers = max(src.options.worker_count(), 2)
+    window = max(2 * workers, min(64, src.window_bytes // max(src.chunk_size, 1)))
+    visited: set[bytes] = set()  # nodes walked (and so copied or found) by this transfer
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-copy") as pool:
+        for n, ck in enumerate(todo):
+            committed, fresh = _Copier(src, dst, pool, window, report).copy(ck, visited, why)
+            (report.copied if fresh else report.already_there).append(committed)
+            if progress:
+                progress("copy", n + 1, len(todo))
+    return report
+
+
+def _held(dst: "CheckpointStore", ck: Checkpoint) -> Checkpoint | None:
+    """dst's checkpoint at ck's step when it is this very checkpoint; CheckpointExistsError when
+    the step holds another one; None when the step is free."""
+    with dst.index.read() as txn:
+        there = dst.registry.get(txn, ck.step)
+    if there is not None and there.id != ck.id:
+        raise conflict(dst, ck, there)
+    return there
+
+
+def conflict(dst: "CheckpointStore", ck: Checkpoint, there: Checkpoint) -> CheckpointExistsError:
+    return CheckpointExistsError(f"step {ck.step} of the store at {dst.path} holds checkpoint {there.id}, not "
+                                 f"the copied checkpoint {ck.id}; nothing of it was copied (delete it there "
+                                 "first, or copy other steps)")
+
+
+class _Copier:
+    """One checkpoint's copy: walk its tree in the source, write what the destination lacks in
+    one write session, commit."""
+
+    def __init__(self, src: "CheckpointStore", dst: "CheckpointStore", pool: ThreadPoolExecutor, window: int,
+                 report: TransferReport) -> None:
+        self.src, self.dst, self.pool, self.window, self.report = src, dst, pool, window, report
+        self.lock = threading.Lock()  # the report's counts, from the workers
+
+    def copy(self, ck: Checkpoint, visited: set[bytes], why: str) -> tuple[Checkpoint, bool]:
+        """(the checkpoint as dst now holds it, whether this copy committed it: False when another
+        writer committed the same checkpoint there meanwhile)."""
+        with self.dst.objects.session(f"{why} step {ck.step} from {self.src.path}") as session:
+            try:
+                for batch in _batches(self._walk(ck.key, visited), BATCH):
+                    self._copy_batch(session, batch)
+            except CorruptionError as exc:
+                raise exc.located(step=ck.step) from None
+            found: list[Checkpoint] = []
+
+            def finish(txn) -> Checkpoint:
+                there = self.dst.registry.get(txn, ck.step)
+                if there is not None:  # committed meanwhile: this very checkpoint, or a conflict
+                    if there.id != ck.id:
+                        raise conflict(self.dst, ck, there)
+                    found.append(there)
+                    return there
+                new = dataclasses.replace(ck, new_bytes=session.new_bytes, seq=0, mirrored=False, extra={})
+                seq = self.dst.registry.commit(txn, why, [add_change(new, session.packs_written())])
+                return dataclasses.replace(new, seq=seq)
+
+            committed = self.dst.commit_session(session, finish)
+            return committed, not found
+
+    def _walk(self, root: bytes, visited: set[bytes]) -> Iterator[bytes]:
+        """Every node and chunk key of the tree under `root`, each once, read and checked from the
+        source (a node this transfer walked already is skipped with its subtree: it is in dst)."""
+        stack = [root]
+        chunks_seen: set[bytes] = set()
+        while stack:
+            key = stack.pop()
+            if key in visited:
+                continue
+            visited.add(key)
+            node = parse_node(self.src.objects.get(key).tobytes(), key)
+            refs, chunks = node_children(node)
+            yield key
+            for chunk in chunks:
+                if chunk not in chunks_seen:
+                    chunks_seen.add(chunk)
+                    yield chunk
+            stack.extend(r for r in refs if r not in visited)
+
+    def _copy_batch(self, session: WriteSession, keys: list[bytes]) -> None:
+        """Claim `keys` in dst; copy those it lacks, each with the levels of its source chain that
+        dst lacks, bottom up. A level several chains share is written by the first job that
+        reaches it; a later job waits for that one (it started earlier: the pool is FIFO)."""
+        stored = session.claim(keys)
+        tops = [key for key, ok in zip(keys, stored) if not ok]
+        self.report.objects_skipped += len(keys) - len(tops)
+        if not tops:
+            return
+        chains = self.src.objects.chains(tops)
+        lower = list(OrderedDict.fromkeys(k for top in tops for k in chains[top][1:]))
+        present = dict(zip(lower, session.claim(lower))) if lower else {}
+        needed = set(tops) | {key for key, ok in present.items() if not ok}  # this batch writes them
+        owner: dict[bytes, int] = {}
+        jobs: list[tuple[list[bytes], set[bytes], set[int]]] = []
+        for top in tops:
+            chain = chains[top]
+            if top in owner:  # a level of an earlier chain: copied with it
+                continue
+            n = len(jobs)
+            for key in chain:
+                if key in needed:
+                    owner.setdefault(key, n)
+            mine = {k for k in chain if owner.get(k) == n}
+            jobs.append((chain, mine, {owner[k] for k in chain if k in owner and owner[k] != n}))
+        futures: list[Future] = []
+        try:
+            for chain, mine, before in jobs:
+                futures.append(self.pool.submit(self._copy_chain, session, chain, mine, [futures[i] for i in before]))
+                while sum(not f.done() for f in futures) > self.window:
+                    wait(futures, return_when="FIRST_COMPLETED")
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            wait(futures)  # no worker may still write once the session aborts
+            raise
+
+    def _copy_chain(self, session: WriteSession, chain: list[bytes], mine: set[bytes], before: list[Future]) -> None:
+        """Decode `chain` from the source, its top checked against its key (a wrong level below
+        makes a wrong top; a failed check decodes again checking each level, to name the damaged
+        one), then put the levels in `mine` into dst bottom up, once the jobs writing the levels
+        below them are done."""
+        kept: dict[bytes, bytes] = {}
+
+        def fetch(key: bytes):
+            data = self.src.objects.fetch(key)
+            if key in mine:
+                kept[key] = bytes(data)  # the fetch buffer is reused by this thread's next read
+            return data
+
+        try:
+            raw = decode_chain(chain, fetch, check_each=False)
+        except CorruptionError:
+            if len(chain) == 1:
+                raise
+            raw = decode_chain(chain, fetch, check_each=True)  # names the damaged level
+        for fut in before:
+            fut.result()
+        for level in reversed(range(len(chain))):
+            key = chain[level]
+            if key in mine:
+                base = chain[level + 1] if level + 1 < len(chain) else None
+                size = session.put_encoded(key, kept[key], raw_size=raw.size, base=base)
+                with self.lock:
+                    self.report.objects_copied += 1
+                    self.report.bytes_copied += size
+
+
+def _batches(items: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
