@@ -372,6 +372,9 @@ def _why_wait(store, txn) -> str | None:
     distributed save whose ranks reuse objects without recording holds), or a live writer this
     cache does not know (its holds are in another cache: an index deleted or replaced under a
     running process), whose objects it cannot account for."""
+    if not store.location.local:
+        return ("sweeping a store in a bucket waits for the cross-host protocol (docs/architecture.md, "
+                "\"gc of a bucket store\"): checkpoints were removed as the rules say, no object was deleted")
     barrier = _barrier(store.index, txn)
     if barrier:
         return f"a writer that cannot hold objects one by one is in progress ({barrier}); the sweep waits for it"

@@ -130,3 +130,40 @@ def test_a_missing_bucket_bad_credentials_or_no_server_is_one_clear_error(s3_ser
     with pytest.raises(cas.CasError, match="could not be reached"):
         cas.open("s3://bucket/x", cache_dir=str(tmp_path))
     assert not list(tmp_path.iterdir())  # nothing made on this host either
+
+
+def test_gc_of_a_bucket_store_applies_retention_and_deletes_no_object(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as store:
+        for step in (1, 2, 3):
+            store.save(state(step), step=step)
+        before = set(store.backend.list("packs/"))
+        report = store.gc(keep_last=1)
+        assert [ck.step for ck in store.checkpoints()] == [3]
+        assert "cross-host protocol" in report.deferred and set(store.backend.list("packs/")) == before
+        assert_same(store.load(3), state(3))
+
+
+def test_the_cli_on_a_bucket_store(s3_url, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(state(1), step=1)
+        store.save(state(2), step=2)
+    env = dict(os.environ, CAS_CACHE_DIR=str(tmp_path / "cli-cache"))
+
+    def cas_cli(*args):
+        return subprocess.run([sys.executable, "-m", "cas.cli", "--store", s3_url, *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    out = cas_cli("ls", "--json")
+    assert out.returncode == 0, out.stderr
+    assert [row["step"] for row in json.loads(out.stdout)] == [1, 2]
+    for args in (("verify",), ("show", "2"), ("du",)):
+        result = cas_cli(*args)
+        assert result.returncode == 0, (args, result.stderr)
+    missing = subprocess.run([sys.executable, "-m", "cas.cli", "--store", "s3://no-such-bucket/x", "ls"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
