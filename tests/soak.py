@@ -437,6 +437,8 @@ class Soak:
             for name in list(self.procs):
                 if self.procs[name].poll() is not None:
                     self.reap(name)
+            if now >= deadline and self.saved() < self.args.min_saves and now < t_start + 4 * self.args.seconds:
+                deadline = now + 1.0  # a loaded machine: run on until the writers committed some (bounded)
             if now >= deadline or len(self.finished) == len(WRITERS):
                 break
             if now >= next_kill and self.procs:
@@ -464,6 +466,10 @@ class Soak:
         self.figures["seconds"] = round(time.monotonic() - t_start, 1)
         self.check(final=True)
         return self.figures
+
+    def saved(self) -> int:
+        """Saves the writers have journaled so far (each line after a committed save)."""
+        return sum(1 for name in WRITERS for e in journal_for(self.workdir, name).read() if e["event"] == "saved")
 
     # checks
     def check(self, final: bool) -> None:
@@ -661,6 +667,8 @@ def main(argv=None) -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--workdir", help="journals and logs (default: STORE.soak)")
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
+    p.add_argument("--min-saves", type=int, default=0,
+                   help="run past --seconds (up to 4x) until the writers journaled this many saves")
     p.add_argument("--check-every", type=float, default=150, help="seconds between full checks (0: only at the end)")
     p.add_argument("--max-steps", type=int, default=20000, help="steps per writer at most")
     p.add_argument("--no-index-deletions", dest="index_deletions", action="store_false",

@@ -24,7 +24,7 @@ def test_soak_loses_no_committed_checkpoint(tmp_path):
     docs/robustness.md)."""
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, SOAK, "--seconds", "25", "--seed", "3", "--store", str(tmp_path / "s"),
-                           "--check-every", "12", "--kill-every", "2.5", "--no-index-deletions", "--json", str(out)],
+                           "--check-every", "12", "--kill-every", "2.5", "--min-saves", "4", "--no-index-deletions", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     figures = json.loads(out.read_text())
