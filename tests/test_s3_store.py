@@ -3,6 +3,7 @@ s3://, hosts (cache folders) sharing one store, races, and what a bucket may hol
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -167,3 +168,65 @@ def test_the_cli_on_a_bucket_store(s3_url, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "cas.cli", "--store", "s3://no-such-bucket/x", "ls"],
                              capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_save_through_slowdowns_and_resets_commits_and_loads(s3_server, s3_bucket, s3_prefix, monkeypatch, tmp_path):
+    from s3server import point_env_at
+    from tcpfault import FaultProxy
+
+    point_env_at(s3_server, monkeypatch)
+    proxy = FaultProxy(s3_server.ports["s3"])
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        url = f"s3://{s3_bucket}/{s3_prefix}"
+        with host(url, tmp_path, "a") as store:
+            store.save(state(1), step=1)
+            proxy.inject("slowdown", 3)
+            proxy.inject("reset", 3)
+            store.save(state(2), step=2)  # every failed request retried: committed whole
+            proxy.inject("reset", 2)
+            assert_same(store.load(2), state(2))
+        assert proxy.seen["slowdown"] == 3 and proxy.seen["reset"] == 5
+        with host(url, tmp_path, "b") as fresh:
+            assert [ck.step for ck in fresh.checkpoints()] == [1, 2] and fresh.verify().ok
+    finally:
+        proxy.close()
+
+
+def test_hostile_bucket_contents_are_named_and_never_loaded(s3_url, tmp_path):
+    """A log entry that is garbage, one naming a commit that is not there, a segment whose bytes
+    do not match the keys it lists: each a CorruptionError naming it, on a fresh host."""
+    from cas.store.records import encode_entry, entry_name
+    from cas.store.registry import add_change
+
+    with host(s3_url, tmp_path, "a") as store:
+        ck = store.save(state(1), step=1)
+        backend = store.backend
+        packs = backend.list("packs/")
+    # (1) a segment damaged in the bucket: loads and verify name the object, never return it
+    name = max(packs, key=backend.stat)
+    original = bytes(backend.get(name))
+    data = bytearray(original)
+    data[200] ^= 0xFF
+    backend.delete(name)
+    assert backend.put_if_absent(name, [bytes(data)])
+    with host(s3_url, tmp_path, "b") as fresh:
+        with pytest.raises(cas.CorruptionError):
+            fresh.load(1)
+        assert not fresh.verify().ok
+    backend.delete(name)
+    assert backend.put_if_absent(name, [original])  # put back (by hand: cas never replaces in a bucket)
+    # (2) a garbage log entry after the last one: the open fails, naming the entry
+    assert backend.put_if_absent(entry_name(2), [b"cas-log\n" + b"\xc1garbage"])
+    with pytest.raises(cas.CorruptionError, match=entry_name(2)):
+        host(s3_url, tmp_path, "c")
+    backend.delete(entry_name(2))
+    # (3) an entry naming a commit node that is not in the bucket: refused at load, by name
+    with host(s3_url, tmp_path, "d") as store, store.index.read() as txn:
+        seq, digest = store.registry.head(txn)
+    forged = dataclasses.replace(ck, step=2, id="ab" * 32)
+    assert backend.put_if_absent(entry_name(seq + 1), [encode_entry(seq + 1, digest, "save", [add_change(forged)])])
+    with host(s3_url, tmp_path, "e") as store:
+        with pytest.raises(cas.CorruptionError, match="ab" * 8):
+            store.load(2)
+        assert_same(store.load(1), state(1))
