@@ -440,6 +440,7 @@ class WriteSession:
         if not pending:
             return
         pack, placed = self.store.packs.write([(k, item[0], item[1], item[2]) for k, item in pending.items()])
+        faults.point("session.pack_written")
         with self._lock:
             for key, offset, length in placed:
                 _, raw_size, base, depth = pending[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -230,3 +231,79 @@ def test_hostile_bucket_contents_are_named_and_never_loaded(s3_url, tmp_path):
         with pytest.raises(cas.CorruptionError, match="ab" * 8):
             store.load(2)
         assert_same(store.load(1), state(1))
+
+
+SAVER = """
+import sys, torch, cas
+g = torch.Generator().manual_seed(2)
+state = {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(3)}, "step": 2, "note": "state 2"}
+with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
+    store.save(state, step=2)
+"""
+# a kill after the log entry exists leaves a committed checkpoint; before it, none
+KILL_PHASES = [("save.hashed", False), ("session.pack_written", False), ("commit.synced", False),
+               ("registry.logged", True), ("commit.in_txn", True)]
+
+
+@pytest.mark.parametrize("phase,committed", KILL_PHASES)
+def test_a_saver_killed_at_each_phase_leaves_every_committed_checkpoint(s3_url, tmp_path, phase, committed):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(state(1), step=1)
+    env = dict(os.environ, CAS_FAULTS=f"{phase}=kill")
+    proc = subprocess.run([sys.executable, "-c", SAVER, s3_url, str(tmp_path / "cache-killed")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == ([1, 2] if committed else [1])
+        assert fresh.verify().ok
+        assert_same(fresh.load(1), state(1))
+        if committed:
+            assert_same(fresh.load(2), state(2))
+        else:
+            fresh.save(state(2), step=2)  # the step is free again
+            assert_same(fresh.load(2), state(2))
+
+
+def test_the_server_killed_and_restarted_in_the_middle_of_a_save(tmp_path, monkeypatch):
+    from s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, point_env_at
+
+    server = SeaweedServer(str(tmp_path / "weed"), access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    server.start()
+    try:
+        point_env_at(server, monkeypatch)
+        url = f"s3://{server.make_bucket()}/run"
+        big = {f"w{i}": torch.randn(1024, 1024) for i in range(24)}  # 96 MiB: several segments
+        with host(url, tmp_path, "a") as store:
+            store.save(state(1), step=1)
+            done: list = []
+            saver = threading.Thread(target=lambda: done.append(_outcome(lambda: store.save(big, step=2))))
+            saver.start()
+            time.sleep(0.5)
+            server.kill()  # SIGKILL, mid-save
+            time.sleep(1.0)
+            server.restart()
+            saver.join(timeout=180)
+            assert done, "the save never returned"
+        with host(url, tmp_path, "fresh") as fresh:
+            steps = [ck.step for ck in fresh.checkpoints()]
+            assert steps in ([1], [1, 2]) and fresh.verify().ok, (steps, done)
+            if isinstance(done[0], BaseException):
+                assert isinstance(done[0], cas.CasError) and steps == [1], done[0]
+            else:
+                assert steps == [1, 2]
+                assert all(torch.equal(fresh.load(2)[k], v) for k, v in big.items())
+            assert_same(fresh.load(1), state(1))
+    finally:
+        server.stop()
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        return exc
