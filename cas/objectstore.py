@@ -32,7 +32,7 @@ from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedEr
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
 from .objectfiles import FileObjects
-from .packs import PACK_TARGET, PackFiles
+from .packs import PACK_HEADER, PACK_TARGET, PackEntry, PackFiles
 
 T = TypeVar("T")
 DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
@@ -418,6 +418,31 @@ class WriteSession:
             if replacement is not None:
                 self._staged.append(replacement)
         return size
+
+    def adopt_packed(self, pack: bytes, entries: list[PackEntry]) -> None:
+        """Index at commit objects that another process wrote into `pack` (a DCP rank writing
+        segments straight to a bucket), placed as it reports them: one stat for the pack, none
+        per object (its footer lists the same entries; repair reads those). A key the index
+        holds keeps its record, as in adopt(); a delta's base must be indexed or adopted first."""
+        size = self.store.packs.size(pack)
+        if size is None:
+            raise MissingObjectError("a pack a distributed writer reported is not in the store", key=pack.hex())
+        with self.index.read() as txn:
+            held = {e.key: self.index.record(txn, e.key) for e in entries}
+            held.update((e.base, self.index.record(txn, e.base)) for e in entries if e.base is not None)
+        for e in entries:
+            if e.offset < PACK_HEADER or e.length < 0 or e.offset + e.length > size:
+                raise CorruptionError(f"a distributed writer places an object at {e.offset}..{e.offset + e.length} "
+                                      f"of pack {pack.hex()}, which holds {size} bytes", key=e.key.hex())
+            if held[e.key] is not None and self._holds(e.key, held[e.key]):
+                continue
+            with self._lock:
+                base = None if e.base is None else self._written.get(e.base) or held[e.base]
+                if e.base is not None and base is None:
+                    raise MissingObjectError("the delta base of an object a distributed writer reported is not "
+                                             "in the store", key=e.base.hex())
+                self._written.setdefault(e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset,
+                                                             e.base, base.depth + 1 if base else 0))
 
     def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
                 replacing: bool) -> ObjectRecord | None:

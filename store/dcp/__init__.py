@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from cas.errors import DistributedCheckpointError
 
-from . import bases
+from . import bases, segments
 from .manifest import DCP_FORMAT, DCP_VERSION, SavedCheckpoint, build_manifest, sharding_summary
 from .rank import HEADER_BYTES, WRITE_WINDOW_BYTES, global_skew, write_rank_items
 from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, load, metadata_from_plain, read_manifest,
@@ -73,6 +73,6 @@ from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, load, metadata_
 from .writer import BARRIER_PURPOSE, CasWriter, save
 
 __all__ = ["BARRIER_PURPOSE", "DCP_FORMAT", "DCP_VERSION", "HEADER_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES",
-           "CasReader", "CasWriter", "DistributedCheckpointError", "SavedCheckpoint", "assign_value", "bases",
+           "CasReader", "CasWriter", "DistributedCheckpointError", "SavedCheckpoint", "assign_value", "bases", "segments",
            "build_manifest", "global_skew", "load", "metadata_from_plain", "read_manifest", "save", "set_path",
            "sharding_summary", "write_rank_items"]
