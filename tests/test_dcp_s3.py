@@ -123,3 +123,18 @@ def test_ranks_with_fresh_caches_load_the_two_rank_save_bit_for_bit(bucket_save,
     r0 = loaded.ranks[0]
     assert r0["compared"] == 16 and r0["mismatches"] == []
     assert all(loaded.ranks[r]["loaded_step"] == 1 and loaded.ranks[r]["extra"] == repr(EXTRA) for r in range(world))
+
+
+def test_a_reported_segment_that_is_missing_or_too_short_is_refused(s3_url, tmp_path):
+    """The coordinator's one stat per pack: a pack a rank names must exist and hold its entries."""
+    from cas.packs import PackEntry, PackFiles
+
+    with cas.open(s3_url, cache_dir=str(tmp_path / "a"), chunk_size=CHUNK) as store:
+        key = bytes(range(32))
+        pack, placed = PackFiles(store.backend).write([(key, b"x" * 100, 100, None)])
+        with store.objects.session("test") as session:
+            with pytest.raises(cas.errors.MissingObjectError, match="pack a distributed writer reported"):
+                session.adopt_packed(bytes(32), [PackEntry(key, placed[0][1], 100, 100, None)])
+            with pytest.raises(cas.errors.CorruptionError, match="which holds"):
+                session.adopt_packed(pack, [PackEntry(key, placed[0][1], 10_000, 100, None)])
+            session.adopt_packed(pack, [PackEntry(key, placed[0][1], placed[0][2], 100, None)])
