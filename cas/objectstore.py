@@ -26,16 +26,16 @@ import msgpack
 import numpy as np
 
 from . import faults
-from .codecs import CodecPolicy, decode_into, parse_header, scratch
+from .chains import MAX_CHAIN_DECODE, decode_chain, walk_chain
+from .codecs import CodecPolicy, parse_header
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
 from .objectfiles import FileObjects
-from .packs import PACK_TARGET, PackFiles
+from .packs import PACK_HEADER, PACK_TARGET, PackEntry, PackFiles
 
 T = TypeVar("T")
 DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
-MAX_CHAIN_DECODE = 64  # far above any configured chain bound; stops a hostile cycle of bases
 
 
 _local = threading.local()
@@ -48,72 +48,6 @@ def _read_buffer(nbytes: int) -> memoryview:
     if buf is None or len(buf) < nbytes:
         buf = _local.read = memoryview(bytearray(max(nbytes, 1 << 20)))
     return buf
-
-
-def walk_chain(chain: list[bytes], base_of: Callable[[bytes], bytes | None]) -> list[bytes]:
-    """Extend `chain` with base_of(its last key) until a full object (from the index, or from
-    the objects' headers); refuses cycles and chains deeper than MAX_CHAIN_DECODE."""
-    while (base := base_of(chain[-1])) is not None:
-        if len(chain) > MAX_CHAIN_DECODE:
-            raise CorruptionError(f"delta chain deeper than {MAX_CHAIN_DECODE} (a cycle?)", key=chain[0].hex())
-        chain.append(base)
-    return chain
-
-
-def _level_buffer(nbytes: int) -> np.ndarray:
-    """The per-thread buffer for the second of the two buffers a chain is decoded in."""
-    return scratch(nbytes, "chain level")
-
-
-def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.ndarray | None = None, *,
-                 verify: bool = True, check_each: bool = False,
-                 decoded: dict[bytes, np.ndarray] | None = None) -> np.ndarray:
-    """Decode chain[0] from the bottom of its chain ([key, its base, ...]; `fetch(key)` gives
-    encoded bytes) up, starting from the highest level found in `decoded`. Levels alternate
-    between `out` and a per-thread buffer, the top landing in `out`: each level reads its base
-    from one and overwrites the other, which holds its base's base (a `linear` delta reads
-    both). Afterwards the per-thread buffer holds chain[1]'s bytes (`last_below`). Only the top
-    is hash-checked unless `check_each` (a wrong lower level makes a wrong top, which its check
-    refuses); a level's failure is reported against the top's key."""
-    decoded = decoded or {}
-    top = chain[0]
-    start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain) - 1)
-    from_decoded = chain[start] in decoded and start > 0
-    bufs: list = [out, None]
-    if from_decoded:
-        size = decoded[chain[start]].size
-        bufs = [np.empty(size, dtype=np.uint8) if out is None else out, _level_buffer(size)]
-        bufs[start % 2][:] = decoded[chain[start]]
-    for i in reversed(range(start if from_decoded else start + 1)):
-        key, expected_base = chain[i], chain[i + 1] if i + 1 < len(chain) else None
-        try:
-            data = fetch(key)
-            head = parse_header(data, key=key)
-            if head.base != expected_base:
-                raise CorruptionError(f"object names delta base {head.base.hex() if head.base else None}, the "
-                                      f"index {expected_base.hex() if expected_base else None}", key=key.hex())
-            if head.needs_below and from_decoded and i + 2 > start:  # its base's base was never decoded here
-                return decode_chain(chain, fetch, out, verify=verify, check_each=check_each)
-            if bufs[0] is None:
-                bufs[0] = np.empty(head.raw_size, dtype=np.uint8)
-            if bufs[1] is None and len(chain) > 1:
-                bufs[1] = _level_buffer(bufs[0].size)
-            target = bufs[i % 2]
-            decode_into(data, key, target, bufs[(i + 1) % 2] if expected_base else None,
-                        below=target if head.needs_below and i + 2 < len(chain) else None,
-                        verify=check_each or (i == 0 and verify))
-        except CorruptionError as exc:
-            if i == 0:
-                raise
-            raise CorruptionError(f"its delta base {exc.key or key.hex()} is unreadable: {exc.detail}",
-                                  key=top.hex()) from None
-    return bufs[0]
-
-
-def last_below(nbytes: int) -> np.ndarray:
-    """After decode_chain of a chain of two levels or more on this thread: the raw bytes of the
-    decoded object's base (chain[1]), in the per-thread buffer (valid until the next decode)."""
-    return _level_buffer(nbytes)
 
 
 LEASE_PREFIX = "leases/"
@@ -485,6 +419,31 @@ class WriteSession:
             if replacement is not None:
                 self._staged.append(replacement)
         return size
+
+    def adopt_packed(self, pack: bytes, entries: list[PackEntry]) -> None:
+        """Index at commit objects that another process wrote into `pack` (a DCP rank writing
+        segments straight to a bucket), placed as it reports them: one stat for the pack, none
+        per object (its footer lists the same entries; repair reads those). A key the index
+        holds keeps its record, as in adopt(); a delta's base must be indexed or adopted first."""
+        size = self.store.packs.size(pack)
+        if size is None:
+            raise MissingObjectError("a pack a distributed writer reported is not in the store", key=pack.hex())
+        with self.index.read() as txn:
+            held = {e.key: self.index.record(txn, e.key) for e in entries}
+            held.update((e.base, self.index.record(txn, e.base)) for e in entries if e.base is not None)
+        for e in entries:
+            if e.offset < PACK_HEADER or e.length < 0 or e.offset + e.length > size:
+                raise CorruptionError(f"a distributed writer places an object at {e.offset}..{e.offset + e.length} "
+                                      f"of pack {pack.hex()}, which holds {size} bytes", key=e.key.hex())
+            if held[e.key] is not None and self._holds(e.key, held[e.key]):
+                continue
+            with self._lock:
+                base = None if e.base is None else self._written.get(e.base) or held[e.base]
+                if e.base is not None and base is None:
+                    raise MissingObjectError("the delta base of an object a distributed writer reported is not "
+                                             "in the store", key=e.base.hex())
+                self._written.setdefault(e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset,
+                                                             e.base, base.depth + 1 if base else 0))
 
     def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
                 replacing: bool) -> ObjectRecord | None:

@@ -17,9 +17,10 @@ import numpy as np
 
 from cas import faults
 from cas.codecs import scratch
+from cas.chains import last_below
 from cas.errors import CorruptionError
 from cas.hashing import hash_bytes
-from cas.objectstore import ObjectStore, WriteSession, last_below
+from cas.objectstore import ObjectStore, WriteSession
 
 from .bases import TensorBases
 from .tree import TensorLeaf, chunk_spans

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from cas.errors import CheckpointExistsError, CorruptionError, ReadOnlyStoreError
-from cas.objectstore import WriteSession, decode_chain
+from cas.chains import decode_chain
+from cas.objectstore import WriteSession
 from cas.progress import ProgressCallback
 
 from .registry import Checkpoint, add_change

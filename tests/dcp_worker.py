@@ -271,7 +271,52 @@ def scenario_delta(store: str, out: str, rank: int, world: int, res: Report) -> 
     res["saved"] = results
 
 
-SCENARIOS = {"save": scenario_save, "reshard": scenario_reshard, "failures": scenario_failures,
+def bucket_bytes(url: str) -> int:
+    """Bytes of every pack (segment) in a bucket store."""
+    from cas.store.location import locate
+
+    return sum(size for _, size in locate(url).backend.list_sizes("packs/"))
+
+
+def rank_cache(rank: int) -> str:
+    """This rank's own cache folder (as on a host of its own)."""
+    return os.path.join(os.environ["DCP_CACHE_ROOT"], f"rank{rank}")
+
+
+def scenario_s3_save(store: str, out: str, rank: int, world: int, res: Report) -> None:
+    """Into a bucket store, each rank with its own cache: step 1, then step 2 with the model
+    unchanged and one value changed; rank 0 reports the bucket's pack bytes after each."""
+    model, opt = sharded_model(world, seed=0)
+    train(model, opt, 2, seed=1)
+    write_reference(model, opt, rank, out, "ref1")
+    cache = rank_cache(rank)
+    results = {"1": saved(cdcp.save(dcp_state(model, opt, EXTRA), store, 1, chunk_size=CHUNK, cache_dir=cache))}
+    dist.barrier()
+    if rank == 0:
+        res["bytes1"] = bucket_bytes(store)
+    results["2"] = saved(cdcp.save(dcp_state(model, opt, dict(EXTRA, epoch=4)), store, 2, cache_dir=cache))
+    dist.barrier()
+    if rank == 0:
+        res["bytes2"] = bucket_bytes(store)
+    res["saved"] = results
+
+
+def scenario_s3_load(store: str, out: str, rank: int, world: int, res: Report) -> None:
+    """Load step 1 of a bucket store into an FSDP2 model of this world size, each rank with a
+    fresh cache of its own, and compare it with the gathered reference on rank 0."""
+    model, opt = sharded_model(world, seed=123)
+    state = dcp_state(model, opt, dict(EXTRA_BLANK, table={1: "", 2: ""}))
+    loaded = cdcp.load(state, store, 1, cache_dir=rank_cache(rank))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    res["loaded_step"] = loaded.step
+    res["extra"] = repr(state["extra"])
+    full = full_tensors(model, opt)
+    if rank == 0:
+        res["mismatches"] = mismatches(full, torch.load(os.path.join(out, "ref1.pt"), weights_only=True))
+        res["compared"] = len(full)
+
+
+SCENARIOS = {"s3_save": scenario_s3_save, "s3_load": scenario_s3_load, "save": scenario_save, "reshard": scenario_reshard, "failures": scenario_failures,
              "solo": scenario_solo, "delta": scenario_delta}
 
 

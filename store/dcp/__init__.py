@@ -50,22 +50,28 @@ Loading (CasReader): every rank opens the store read-only, reads the manifest an
 DCP's Metadata from plain msgpack values (read_metadata); read_data decodes only the chunks
 that hold the rows it needs, verifying each chunk's hash, and copies the requested block into
 the planner's tensors. Loading thus needs the index readable on every rank (one host, or a
-store copied to each node). Values go back into the planner's state dict directly (int
+store copied to each node); a store in a bucket is read from the bucket by every rank, each
+with its own cache (cache_dir=). Values go back into the planner's state dict directly (int
 dict keys of the target kept); planner.load_bytes, which unpickles, runs only for values saved
 as pickle and only with CasReader(..., allow_pickle=True). Nothing is pickled into the store
 (DCP's collectives do pickle plans and results between ranks, in memory, as always).
 
+Stores in a bucket (`s3://bucket/prefix`; `file://PATH` names a folder): ranks write their new
+chunks into segments PUT straight to the bucket instead of object files, dedup by the chunks the
+coordinator confirms stored in the planning round trip, and report where each new chunk lives;
+the coordinator indexes them at its commit (segments.py). Deltas are refused there for now.
+
 Files: writer.py (CasWriter: the coordinator's set-up, planning and commit; save), rank.py (a
 rank's chunks and values), manifest.py (the coordinator's manifest), reader.py (CasReader;
 load), bases.py (each rank's delta bases, kept by store/bases.py as Store.save keeps its own),
-failures.py (DCP's failures as CasErrors).
+failures.py (DCP's failures as CasErrors), segments.py (ranks saving into a bucket store).
 """
 
 from __future__ import annotations
 
 from cas.errors import DistributedCheckpointError
 
-from . import bases
+from . import bases, segments
 from .manifest import DCP_FORMAT, DCP_VERSION, SavedCheckpoint, build_manifest, sharding_summary
 from .rank import HEADER_BYTES, WRITE_WINDOW_BYTES, global_skew, write_rank_items
 from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, load, metadata_from_plain, read_manifest,
@@ -74,5 +80,5 @@ from .writer import BARRIER_PURPOSE, CasWriter, save
 
 __all__ = ["BARRIER_PURPOSE", "DCP_FORMAT", "DCP_VERSION", "HEADER_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES",
            "CasReader", "CasWriter", "DistributedCheckpointError", "SavedCheckpoint", "assign_value", "bases",
-           "build_manifest", "global_skew", "load", "metadata_from_plain", "read_manifest", "save", "set_path",
-           "sharding_summary", "write_rank_items"]
+           "build_manifest", "global_skew", "load", "metadata_from_plain", "read_manifest", "save", "segments",
+           "set_path", "sharding_summary", "write_rank_items"]

@@ -24,7 +24,7 @@ from cas.errors import CasError, MissingObjectError
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
 from cas.objectfiles import FileObjects
-from cas.objectstore import decode_chain, last_below, walk_chain
+from cas.chains import decode_chain, last_below, walk_chain
 
 from .. import layout as L
 from .. import pipeline

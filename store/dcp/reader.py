@@ -29,6 +29,7 @@ from cas.errors import CasError, CorruptionError
 
 from .. import pipeline
 from .. import tensors as T
+from ..location import parse_target
 from ..registry import Checkpoint
 from ..store import CheckpointStore
 from ..tree import chunk_spans
@@ -40,11 +41,17 @@ READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while 
 
 # --- the store a writer or reader works on ---------------------------------------------------
 def store_and_path(target: str | os.PathLike | CheckpointStore) -> tuple[CheckpointStore | None, str]:
-    """A writer or reader takes a path, or the caller's open CheckpointStore: one process can hold only
-    one LMDB environment per store, so a process that has the store open must lend it."""
+    """A writer or reader takes a path, file://PATH or s3://BUCKET/PREFIX (store/location.py),
+    or the caller's open CheckpointStore: one process can hold only one LMDB environment per
+    store, so a process that has the store open must lend it."""
     if isinstance(target, CheckpointStore):
         return target, target.path
-    return None, os.path.abspath(os.fspath(target))
+    return None, parse_target(target)[1]
+
+
+def in_bucket(path: str) -> bool:
+    """Whether the store a writer or reader names (its store_and_path) lives in a bucket."""
+    return parse_target(path)[0] == "s3"
 
 
 @contextmanager
@@ -60,8 +67,8 @@ def opened(given: CheckpointStore | None, path: str, **options) -> Iterator[Chec
 def same_store(path: str, checkpoint_id) -> bool:
     """Whether a checkpoint_id DCP passes to reset() names the store at `path`."""
     try:
-        return os.path.abspath(os.fspath(checkpoint_id)) == path
-    except TypeError:
+        return parse_target(checkpoint_id)[1] == path
+    except (TypeError, CasError):
         return False
 
 
@@ -76,9 +83,10 @@ class Loaded:
     values: dict  # fqn -> {"v": value} or {"pickle": bytes}
 
 
-def read_manifest(given: CheckpointStore | None, path: str, step: int | None) -> Loaded:
-    """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile."""
-    with opened(given, path, create=False, readonly=True) as store:
+def read_manifest(given: CheckpointStore | None, path: str, step: int | None, cache_dir: str | None = None) -> Loaded:
+    """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile
+    (a bucket store's cache in `cache_dir`, see StoreOptions)."""
+    with opened(given, path, create=False, readonly=True, cache_dir=cache_dir) as store:
         reader = store.reader(step)
         ck = reader.checkpoint
         root = reader.node(reader.commit()["tree"], "value", "")["v"]
@@ -237,12 +245,15 @@ class CasReader(StorageReader):
     """A DCP StorageReader for checkpoint `step` (the latest when None) of the store at `path`.
 
     Values that were saved as pickle (msgpack could not encode them) load only with
-    allow_pickle=True, which runs the unpickler: use it only for a store you trust."""
+    allow_pickle=True, which runs the unpickler: use it only for a store you trust. cache_dir:
+    where this host keeps a bucket store's cache (StoreOptions.cache_dir); every rank reads the
+    bucket itself, so no rank needs another's cache."""
 
     def __init__(self, path: str | os.PathLike | CheckpointStore, *, step: int | None = None, allow_pickle: bool = False,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, cache_dir: str | os.PathLike | None = None) -> None:
         super().__init__()
         self._store, self.path = store_and_path(path)
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.step = step
         self.allow_pickle = allow_pickle
         self.workers = workers or min(os.cpu_count() or 2, 8)
@@ -274,7 +285,7 @@ class CasReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self._loaded is None:
             try:
-                self._loaded = read_manifest(self._store, self.path, self.step)
+                self._loaded = read_manifest(self._store, self.path, self.step, self.cache_dir)
             except CasError as exc:
                 self.error = exc
                 raise
@@ -330,7 +341,8 @@ class CasReader(StorageReader):
     def _read_tensors(self, items: list[ReadItem], planner: LoadPlanner, loaded: Loaded) -> None:
         if not items:
             return
-        with opened(self._store, self.path, create=False, readonly=True, workers=self.workers) as store, \
+        with opened(self._store, self.path, create=False, readonly=True, workers=self.workers,
+                    cache_dir=self.cache_dir) as store, \
                 ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cas-dcp") as pool:
             for batch in pipeline.batches(_regions(items, loaded.shards), lambda r: r[0].buffer.size,
                                           READ_WINDOW_BYTES):
@@ -345,11 +357,11 @@ class CasReader(StorageReader):
 
 def load(state: dict, path: str | os.PathLike | CheckpointStore, step: int | None = None, *, planner: LoadPlanner | None = None,
          process_group=None, no_dist: bool = False, allow_pickle: bool = False,
-         workers: int | None = None) -> Checkpoint:
+         workers: int | None = None, cache_dir: str | os.PathLike | None = None) -> Checkpoint:
     """dcp.load through a CasReader (the latest checkpoint when `step` is None), in place, at
     any world size; returns the checkpoint loaded. A missing step is CheckpointNotFoundError and
     any other failure a CasError, on every rank."""
-    reader = CasReader(path, step=step, allow_pickle=allow_pickle, workers=workers)
+    reader = CasReader(path, step=step, allow_pickle=allow_pickle, workers=workers, cache_dir=cache_dir)
     what = f"DCP load of step {'latest' if step is None else step} from {reader.path}"
     # a rank that could not read the manifest says why, exactly (reader.error)
     with as_cas_errors(what, lambda: reader.error):

@@ -29,13 +29,15 @@ from ..bases import DELTA_MIN_BYTES
 from ..commit import SaveRecord, commit_save
 from ..registry import Checkpoint, exists_error
 from ..options import StoreOptions, checked_meta, checked_metrics
+from ..location import locate
 from ..opening import open_path
 from ..store import CheckpointStore
 from . import bases
 from .failures import as_cas_errors
 from .manifest import Manifest, SavedCheckpoint, build_manifest
+from . import segments
 from .rank import RankObjects, write_rank_items
-from .reader import read_manifest, same_store, store_and_path
+from .reader import in_bucket, read_manifest, same_store, store_and_path
 
 BARRIER_PURPOSE = "barrier:dcp step {step}"  # cas.gc.collect.BARRIER_PREFIX: gc sweeps wait for it
 
@@ -86,6 +88,22 @@ def _seed(latest_shards, plan: SavePlan) -> dict:
         shard = bases.shard_id(item.index.fqn, td.chunk.offsets, td.chunk.sizes, td.properties.dtype)
         out[shard] = (node["skew"], node["nbytes"], list(node["chunks"]))
     return out
+
+
+def _matching_keys(latest_shards, plan: SavePlan) -> list[bytes]:
+    """The chunk keys of the latest checkpoint's shards that this plan's tensor items match
+    exactly (same name, offsets, sizes and dtype): a restarted rank's stored chunks, in a
+    bucket store. `latest_shards()` reads the latest manifest, only for a plan with tensors."""
+    items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None]
+    shards = latest_shards() if items else {}
+    keys = []
+    for item in items:
+        td = item.tensor_data
+        node = shards.get(MetadataIndex(item.index.fqn, td.chunk.offsets))
+        if node is not None and node["shape"] == list(td.chunk.sizes) \
+                and T.torch_dtype(node["dtype"]) == td.properties.dtype:
+            keys.extend(node["chunks"])
+    return list(dict.fromkeys(keys))
 
 
 def _readable_roots(session: WriteSession, keys: list[bytes]) -> dict[bytes, bytes]:
@@ -151,6 +169,7 @@ class CasWriter(StorageWriter):
         self.options = StoreOptions.of(options, **option_values)
         self.retention = retention  # a cas.Retention applied after the commit, on a store opened here
         self._store, self.path = store_and_path(path)
+        self.in_bucket = in_bucket(self.path)  # ranks write segments (store/dcp/segments.py)
         self.step = step
         self.milestone = bool(milestone)
         self.metrics = checked_metrics(metrics)
@@ -161,6 +180,9 @@ class CasWriter(StorageWriter):
         self.delta = self.options.delta
         self.max_chain = self.options.max_chain
         self.delta_memory = self.options.delta_memory
+        if self.delta and self.in_bucket:
+            raise CasError(f"DCP delta saves into a bucket store ({self.path}) are not supported yet: a rank "
+                           "would read its bases back from segments; save with delta=False")
         self.is_coordinator = False
         self.checkpoint: Checkpoint | None = None  # on the coordinator, once committed
         self._pending: PendingCommit | None = None
@@ -228,16 +250,23 @@ class CasWriter(StorageWriter):
 
     # -- planning --
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.in_bucket:
+            return dataclasses.replace(plan, storage_data=segments.proposal(self.path))
         if not self.delta:
             return plan
         return dataclasses.replace(plan, storage_data=bases.proposal(self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """With deltas: hold each rank's proposed bases and say which are stored (store/dcp/bases.py)."""
-        if not self.delta or self._pending is None:
+        """With deltas: hold each rank's proposed bases and say which are stored (store/dcp/bases.py).
+        In a bucket: hold each rank's proposed chunks and say which are stored (segments.py)."""
+        if not (self.delta or self.in_bucket) or self._pending is None:
             return plans
         session = self._pending.session
         latest = functools.cache(functools.partial(_latest_shards, self._pending.store))
+        if self.in_bucket:
+            return [dataclasses.replace(plan, storage_data=segments.confirm(
+                        plan.storage_data, self.step, session.hold, functools.partial(_matching_keys, latest, plan)))
+                    for plan in plans]
         return [dataclasses.replace(plan, storage_data=bases.confirm(
                     plan.storage_data, self.step, self.max_chain, session.hold, session.depth,
                     functools.partial(_readable_roots, session), functools.partial(_seed, latest, plan),
@@ -247,6 +276,8 @@ class CasWriter(StorageWriter):
     # -- every rank --
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         faults.point("dcp.write_data")
+        if self.in_bucket:
+            return self._write_segments(plan, planner)
         objects = RankObjects(self.path, compress=self.options.compress, level=self.options.compression_level,
                               workers=self.workers)
         deltas = None
@@ -271,6 +302,21 @@ class CasWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    def _write_segments(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """A rank's write_data in a bucket store: new chunks in segments PUT straight to the
+        bucket, their places reported in the results (store/dcp/segments.py)."""
+        objects = segments.SegmentObjects(locate(self.path), compress=self.options.compress,
+                                          level=self.options.compression_level, workers=self.workers,
+                                          stored=segments.confirmed(plan.storage_data, self.step))
+        results = write_rank_items(plan, planner, objects)
+        objects.sync()
+        objects.report(results)
+        segments.remember(self.path, results)
+        faults.point("dcp.rank_written")
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
     # -- coordinator, after every rank succeeded --
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._pending
@@ -289,7 +335,10 @@ class CasWriter(StorageWriter):
     def _commit(self, pending: PendingCommit, metadata: Metadata, results: list[list[WriteResult]]) -> Checkpoint:
         store, session = pending.store, pending.session
         manifest = build_manifest(metadata, results, store.chunk_size, store.objects.files)
-        _adopt_chunks(session, manifest)
+        if self.in_bucket:
+            segments.adopt_segments(session, manifest.chunk_keys, results)
+        else:
+            _adopt_chunks(session, manifest)
         meta = {**self.meta, "dcp": {"world_size": len(results), "sharding": manifest.sharding}}
         record = SaveRecord(self.step, pending.created, self.milestone, self.metrics, meta, manifest.logical_bytes)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cas-dcp") as pool:
