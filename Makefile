@@ -19,7 +19,7 @@ demo: setup
 	$(BIN)/python examples/demo.py --store demo-store
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: setup
 	$(BIN)/python bench/bench_core.py

@@ -112,8 +112,9 @@ def test_random_kills_during_a_save_loop(tmp_path):
     runs, first = 8, 0
     for _ in range(runs):
         proc = subprocess.Popen([sys.executable, WORKERS, "save_loop", str(path), str(first), "1000"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(1.5 + rng.random() * 1.5)  # past interpreter start-up, somewhere inside the saves
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]  # however loaded the machine
+        time.sleep(0.3 + rng.random() * 1.5)  # somewhere inside the saves
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         with open_store(path) as store:

@@ -69,6 +69,7 @@ def gc(path: str, keep_last: str = "") -> None:
 def save_loop(path: str, first: int, count: int) -> None:
     """Save `count` steps, each reusing tensors of earlier steps (seeds overlap)."""
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        print("ready", flush=True)  # past interpreter start-up and the open: the saves begin
         for step in range(first, first + count):
             store.save(state_of([step % 5, step % 7 + 10, step]), step=step)
 
