@@ -302,12 +302,11 @@ def compare(env: Env, proxy: CountingProxy, states: list[dict], lister) -> dict:
 def segment_sweep(env: Env, state: dict) -> dict:
     """cas full save and fresh-host load at each segment size (straight at the server)."""
     import cas.store.location as location
-    import cas.store.store as store_module
 
     original, out = location.SEGMENT_BYTES, {}
     try:
         for seg in SEGMENTS:
-            location.SEGMENT_BYTES = store_module.SEGMENT_BYTES = seg
+            location.SEGMENT_BYTES = seg
             prefix = f"seg{seg // MiB}-{secrets.token_hex(4)}"
             system = CasSystem(env, prefix)
             try:
@@ -326,7 +325,7 @@ def segment_sweep(env: Env, state: dict) -> dict:
                                       "load_GETs": got.get("GET", 0)}
             log(f"segment {seg // MiB} MiB: {out[f'{seg // MiB}MiB']}")
     finally:
-        location.SEGMENT_BYTES = store_module.SEGMENT_BYTES = original
+        location.SEGMENT_BYTES = original
     return out
 
 

@@ -19,10 +19,11 @@ import re
 from dataclasses import dataclass
 
 from cas import faults
-from cas.backend import Backend
+from cas.backend import MAX_BLOB, Backend
 from cas.errors import BlobAbsentError, CasError, NotAStoreError
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
+from cas.packs import PACK_TARGET
 
 from . import layout as L
 
@@ -115,6 +116,12 @@ class Location:
         layout = self.layout
         return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index)
                                                     or os.access(layout.index, os.W_OK))
+
+    def packing(self, pack_max: int) -> tuple[int, int]:
+        """(pack_max, pack_target) for writers here: a folder's as configured; in a bucket every
+        object goes into segments of SEGMENT_BYTES (one PUT per segment, never a name two writers
+        could race to fill with two encodings of one object)."""
+        return (pack_max, PACK_TARGET) if self.local else (MAX_BLOB, SEGMENT_BYTES)
 
     def index_dir(self, config: L.Config) -> str:
         """The LMDB cache's folder: in the store's folder, or per bucket store in the cache dir."""

@@ -18,10 +18,9 @@ from cas import faults
 from cas.codecs import CodecPolicy
 from cas.errors import (CasError, CheckpointNotFoundError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
-from cas.backend import MAX_BLOB
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
-from cas.packs import PACK_TARGET, PackFiles
+from cas.packs import PackFiles
 
 from . import cache
 from . import layout as L
@@ -29,7 +28,7 @@ from . import bases as delta_bases
 from . import pipeline
 from .background import BackgroundSaves, SaveFuture
 from .commit import SaveRecord, commit_save
-from .location import SEGMENT_BYTES, locate
+from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics
 from .reader import CheckpointReader
 from .records import RecordLog
@@ -79,12 +78,10 @@ class CheckpointStore:
         self.records = RecordLog(self.backend, self.path)
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._open_cache()
-        # In a bucket every object goes into segments (packs): one PUT per segment, never a name
-        # two writers could race to fill with different encodings of one object.
+        pack_max, pack_target = where.packing(opts.pack_max)
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
                                    CodecPolicy(compress=opts.compress, level=opts.compression_level),
-                                   opts.pack_max if where.local else MAX_BLOB, backend=self.backend,
-                                   pack_target=PACK_TARGET if where.local else SEGMENT_BYTES)
+                                   pack_max, backend=self.backend, pack_target=pack_target)
         try:
             self._check_cache()
         except BaseException:
