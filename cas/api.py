@@ -167,7 +167,7 @@ class Store(CheckpointStore):
         if self.retention is None or self._retention_paused:
             return
         try:
-            collect(self, self.retention)
+            collect(self, self.retention, sweep_objects=self.location.local)
         except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
             warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
                           f"({type(exc).__name__}: {exc}); the next save's gc tries again",

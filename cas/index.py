@@ -43,7 +43,7 @@ _PACK_LOC = struct.Struct("<32sQ")  # pack key, offset of the encoded object in 
 LEASE_ID_SIZE = 16
 _TABLES = ("objects", "leases", "holds", "meta")
 # Tables added after stores were first written: a read-only open of an older store goes without.
-_LATER_TABLES = ("damaged",)
+_LATER_TABLES = ("damaged", "packstate")
 DEFAULT_MAP_SIZE = 1 << 40  # address space only: the file grows as data is written
 
 
@@ -289,6 +289,13 @@ class Index:
                                   f"({type(exc).__name__}: {exc}); nothing of that change was committed. Free "
                                   "space on its filesystem (or make it writable) and retry") from exc
 
+    @contextmanager
+    def nested(self, txn) -> Iterator[lmdb.Transaction]:
+        """A child of write transaction `txn`: what the block writes joins `txn` when it ends
+        normally, and is undone (with nothing else of `txn`) when it raises."""
+        with self.env.begin(write=True, parent=txn) as child:
+            yield child
+
     # --- objects -------------------------------------------------------------------------
     def record(self, txn, key: bytes) -> ObjectRecord | None:
         raw = txn.get(key, db=self.tables["objects"])
@@ -352,6 +359,56 @@ class Index:
 
     def clear_damaged(self, txn, key: bytes) -> None:
         txn.delete(key, db=self.tables["damaged"])
+
+    # --- packs a cross-host gc is removing (a bucket store; docs/architecture.md) ----------
+    # b"d" + pack -> epoch: doomed by a gc intent (writers write their own copies of its
+    # objects); b"g" + pack: deleted (a writer whose save reused it must not commit).
+    def doom_packs(self, txn, packs, epoch: bytes) -> None:
+        for pack in packs:
+            txn.put(b"d" + pack, epoch, db=self.tables["packstate"])
+
+    def pack_doomed(self, txn, pack: bytes | None) -> bool:
+        db = self.tables.get("packstate")
+        return pack is not None and db is not None and txn.get(b"d" + pack, db=db) is not None
+
+    def any_doomed(self, txn) -> bool:
+        db = self.tables.get("packstate")
+        if db is None:
+            return False
+        cur = txn.cursor(db=db)
+        return cur.set_range(b"d") and bytes(cur.key())[:1] == b"d"
+
+    def doomed_packs(self, txn) -> list[tuple[bytes, bytes]]:
+        """(pack, epoch) of every doomed pack."""
+        db = self.tables.get("packstate")
+        if db is None:
+            return []
+        return [(bytes(k)[1:], bytes(v)) for k, v in txn.cursor(db=db) if bytes(k)[:1] == b"d"]
+
+    def packs_gone(self, txn, packs) -> list[bytes]:
+        """Those of `packs` a gc deleted."""
+        db = self.tables.get("packstate")
+        return [p for p in packs if db is not None and txn.get(b"g" + p, db=db) is not None]
+
+    def settle_epoch(self, txn, epoch: bytes, deleted) -> int:
+        """A gc epoch ended: its packs are no longer doomed, `deleted` are gone, and the records
+        that pointed into them are dropped (those objects are no longer stored). Returns the
+        number of records dropped."""
+        db = self.tables["packstate"]
+        cur = txn.cursor(db=db)
+        doomed = [bytes(k) for k, v in cur if bytes(k)[:1] == b"d" and bytes(v) == epoch]
+        for key in doomed:
+            txn.delete(key, db=db)
+        deleted = set(deleted)
+        for pack in deleted:
+            txn.put(b"g" + pack, b"", db=db)
+        dropped = [key for key, rec in self.iter_records(txn) if rec.where == WHERE_PACK and rec.pack in deleted]
+        for key in dropped:
+            txn.delete(key, db=self.tables["objects"])
+        return len(dropped)
+
+    def clear_pack_states(self, txn) -> None:
+        txn.drop(self.tables["packstate"], delete=False)
 
     # --- counters ------------------------------------------------------------------------
     def generation(self, txn) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 from . import faults
 from .chains import MAX_CHAIN_DECODE, decode_chain, walk_chain
 from .codecs import CodecPolicy, parse_header
-from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError
+from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError, StoreWriteError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
 from .objectfiles import FileObjects
@@ -81,6 +81,9 @@ class ObjectStore:
         # unchanged re-save one request per chunk); a local pack is checked, one stat each.
         self.trust_packs = backend is not None and not backend.capabilities.batched_sync
         self.backend = backend  # where writers' leases live (None: leases in the index alone)
+        # called when a pack the index names is gone (a store shared by hosts: the caller's cache
+        # catches up with the gc that removed it, then the record is looked up again)
+        self.on_missing_pack: Callable[[], None] | None = None
         self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
         self.sessions_lock = threading.Lock()
 
@@ -100,6 +103,8 @@ class ObjectStore:
             except MissingObjectError:
                 if attempt:  # gc may have repacked it between our lookup and the read: look again
                     raise
+                if self.on_missing_pack is not None:  # a gc elsewhere removed it: learn where it went
+                    self.on_missing_pack()
         raise AssertionError("unreachable")
 
     def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True,
@@ -260,6 +265,20 @@ class WriteSession:
         with self._lock:
             return sorted({rec.pack for rec in self._written.values() if rec.where == WHERE_PACK})
 
+    def check_nothing_lost(self, txn) -> None:
+        """Raise if a gc on another host deleted what this session relies on: a pack it wrote
+        or an object it reused (run after this host's cache folded other hosts' entries, before
+        the session's commit entry is tried again). Only a writer paused past its lease's expiry
+        meets it; the save fails, nothing committed, and saving again writes what is missing."""
+        gone = self.index.packs_gone(txn, self.packs_written())
+        with self._lock:
+            reused = list(self._records)
+        lost = [key for key in reused if self.index.record(txn, key) is None]
+        if gone or lost:
+            what = f"pack {gone[0].hex()} it wrote" if gone else f"object {lost[0].hex()} it reused"
+            raise StoreWriteError(f"a gc on another host deleted {what} while this save ran (its lease had "
+                                  "expired); nothing was committed: save again")
+
     def delta_bases(self) -> dict[bytes, bytes]:
         """key -> base key of every delta this session wrote (also those still waiting for their
         pack)."""
@@ -270,11 +289,16 @@ class WriteSession:
 
     def _rotten(self, txn, key: bytes, rec: ObjectRecord | None) -> bool:
         """Whether the object, or a base on its chain in the index, is recorded as damaged (by
-        verify or a failed load): its stored copy cannot be decoded, so it is no base to build on."""
-        if not self.index.any_damaged(txn):  # the common case, at the cost of one lookup
+        verify or a failed load): its stored copy cannot be decoded, so it is no base to build on.
+        An object in a pack that a gc on another host is removing (doomed by its intent) is no
+        better: the writer stores its own copy, which its commit indexes in its place."""
+        damaged, doomed = self.index.any_damaged(txn), self.index.any_doomed(txn)
+        if not damaged and not doomed:  # the common case, at the cost of two lookups
             return False
         for _ in range(MAX_CHAIN_DECODE + 1):
-            if self.index.damaged(txn, key) is not None:
+            if damaged and self.index.damaged(txn, key) is not None:
+                return True
+            if doomed and rec is not None and rec.where == WHERE_PACK and self.index.pack_doomed(txn, rec.pack):
                 return True
             if rec is None or rec.base is None:
                 return False

@@ -60,7 +60,20 @@ MULTIPART_THRESHOLD: int | None = None
 PART_SIZE = 16 << 20
 PART_WORKERS = 4
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
-LEASE_TTL = 60.0
+LEASE_TTL = 60.0  # a writer's lease lasts this long unless renewed; $CAS_S3_LEASE_TTL sets another
+
+
+def lease_seconds(given: float | None) -> float:
+    """A lease ttl: `given`, else $CAS_S3_LEASE_TTL, else LEASE_TTL. A gc waits about this long
+    for a save on another host that died (or was paused) before it ends its lease."""
+    raw = given if given is not None else os.environ.get("CAS_S3_LEASE_TTL") or LEASE_TTL
+    try:
+        ttl = float(raw)
+    except ValueError:
+        raise CasError(f"CAS_S3_LEASE_TTL must be a number of seconds, not {raw!r}") from None
+    if not 1.0 <= ttl <= 86400:
+        raise CasError(f"a lease ttl of {ttl:g} s is outside 1 s .. 1 day")
+    return ttl
 FIRST_CONTACT_TRIES = 3  # tries before a server that never answered is called unreachable
 _TOKEN_META = "cas-put"  # metadata key of a write's random token
 _TMP_TAIL = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")  # as in fsutil.tmp_name
@@ -109,7 +122,7 @@ class S3Backend:
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None, spool_dir: str | None = None,
-                 lease_ttl: float = LEASE_TTL, retry: RetryPolicy = RetryPolicy(),
+                 lease_ttl: float | None = None, retry: RetryPolicy = RetryPolicy(),
                  multipart_threshold: int | None = MULTIPART_THRESHOLD, part_size: int = PART_SIZE,
                  connect_timeout: float = 5.0, read_timeout: float = 60.0, max_connections: int = 32) -> None:
         import boto3
@@ -120,7 +133,7 @@ class S3Backend:
         self.capabilities = Capabilities(locks=False, local_path=None, batched_sync=False)
         self.spool_dir = spool_dir or os.path.join(
             os.environ.get("CAS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cas"), "spool")
-        self.lease_ttl, self.retry = float(lease_ttl), retry
+        self.lease_ttl, self.retry = lease_seconds(lease_ttl), retry
         self.multipart_threshold = None if multipart_threshold is None else max(multipart_threshold, 5 << 20)
         self.part_size = max(part_size, 5 << 20)  # S3's least part
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"

@@ -30,6 +30,7 @@ from cas.progress import ProgressCallback
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
+from .bucket import sweep_bucket
 from .retention import Retention, keep_unmirrored
 
 SWEEP_BATCH = 512
@@ -131,10 +132,11 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
-            progress: ProgressCallback | None = None) -> GcReport:
+            progress: ProgressCallback | None = None, sweep_objects: bool = True) -> GcReport:
     """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
-    then sweep. A policy refused for these checkpoints (RetentionRefusedError) removes and
-    sweeps nothing."""
+    then sweep (unless `sweep_objects` is False: retention after a save into a bucket, where a
+    sweep waits for other hosts' saves). A policy refused for these checkpoints
+    (RetentionRefusedError) removes and sweeps nothing."""
     report = GcReport(dry_run=dry_run)
     if retention is not None and not retention.has_rules:
         retention = None
@@ -153,6 +155,10 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
     else:  # decided on the registry inside the transaction that removes: no stale decision
         store.delete_chosen(choose)
     faults.point("gc.forgotten")
+    if not sweep_objects:
+        report.deferred = ("objects are swept by `cas gc` (store.gc()), not after each save: in a bucket a sweep "
+                           "waits for the saves of other hosts")
+        return report
     removed_keys = {ck.key for ck in report.removed} if dry_run else set()
     sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress)
     return report
@@ -167,6 +173,9 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
         report.leases_reaped = reap_dead_leases(store)
     for attempt in range(MARK_ATTEMPTS):
         try:
+            if not store.location.local:  # no LMDB writer lock is shared across hosts: the log orders
+                return sweep_bucket(store, report, Marker, dry_run=dry_run, ignore_roots=ignore_roots,
+                                    progress=progress)
             return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress)
         except _RegistryMoved:
             if attempt == MARK_ATTEMPTS - 1:
@@ -372,9 +381,6 @@ def _why_wait(store, txn) -> str | None:
     distributed save whose ranks reuse objects without recording holds), or a live writer this
     cache does not know (its holds are in another cache: an index deleted or replaced under a
     running process), whose objects it cannot account for."""
-    if not store.location.local:
-        return ("sweeping a store in a bucket waits for the cross-host protocol (docs/architecture.md, "
-                "\"gc of a bucket store\"): checkpoints were removed as the rules say, no object was deleted")
     barrier = _barrier(store.index, txn)
     if barrier:
         return f"a writer that cannot hold objects one by one is in progress ({barrier}); the sweep waits for it"

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 from cas import faults
 from cas.codecs import decode_into, parse_header
-from cas.errors import CasError, CorruptionError
+from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from cas.objectstore import MAX_CHAIN_DECODE
 
 from . import layout as L
+from . import snapshots
 from .records import entry_name
 from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
@@ -45,6 +46,7 @@ class RebuildReport:
     skipped: list[str] = field(default_factory=list)  # damaged files and entries, by name
     moved_aside: str | None = None  # where a damaged index was put
     reason: str | None = None  # why the cache was rebuilt
+    snapshot: int | None = None  # the log position of the snapshot it started from, if any
     seconds: float = 0.0
 
 
@@ -118,12 +120,14 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     copies: dict[bytes, list[ObjectRecord]] = {}
     report.packs = _scan_packs(store.objects.packs, copies, report, check=check)
     _scan_files(store.objects.files, copies, report)
+    _forget_deleted_packs(copies, entries)
     records = choose_copies(copies, old)
     set_depths(records)
     txn.drop(index.db("objects"), delete=False)
     for key, rec in records.items():
         index.put_record(txn, key, rec)
     store.registry.clear(txn)
+    index.clear_pack_states(txn)  # refolded from the log's gc steps
     faults.point("cache.rebuilding")  # a kill here aborts the transaction: the cache stays as it was
     seq, digest = store.registry.fold(txn, entries)
     store.registry.set_head(txn, seq, digest)
@@ -135,9 +139,21 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     return report
 
 
+def _forget_deleted_packs(copies: dict[bytes, list[ObjectRecord]], entries) -> None:
+    """Drop the copies in packs a gc's delete entry names (a gc that died before it deleted
+    them all): their objects are stored elsewhere or nowhere, and the next gc removes the rest."""
+    gone = {p for e in entries if e.gc and e.gc["phase"] == "delete" for p in e.gc["packs"]}
+    if not gone:
+        return
+    for key in list(copies):
+        copies[key] = [r for r in copies[key] if r.where != WHERE_PACK or r.pack not in gone]
+        if not copies[key]:
+            del copies[key]
+
+
 def ensure_current(store, report: RebuildReport) -> None:
-    """Check the cache against the store; rebuild it (once, whoever gets LMDB's writer lock
-    first: the others find it current) when it does not match."""
+    """Check the cache against the store; bring it up to date (once, whoever gets LMDB's writer
+    lock first: the others find it current) when it does not match."""
     with store.index.read() as txn:
         reason = why_stale(store, txn)
     if reason is None:
@@ -146,7 +162,101 @@ def ensure_current(store, report: RebuildReport) -> None:
         reason = why_stale(store, txn)
         if reason is not None:
             report.reason = report.reason or reason
-            rebuild(store, txn, report)
+            refresh(store, txn, report)
+
+
+def refresh(store, txn, report: RebuildReport) -> None:
+    """Bring a cache that is behind the store up to date: by folding only the entries it lacks
+    where it can (catch_up), from a snapshot when it is empty, else by a full rebuild."""
+    if catch_up(store, txn, report):
+        return
+    if snapshots.restore(store, txn, report) and catch_up(store, txn, report):
+        return
+    rebuild(store, txn, report)
+    snapshots.offer(store, txn)
+
+
+def catch_up(store, txn, report: RebuildReport) -> bool:
+    """Fold the log entries after the cache's head into it, reading the footers of the packs
+    they name; False (nothing done that a rebuild would not redo) where that cannot be proven
+    enough: a store whose writers keep objects outside packs (a folder's object files, which
+    no entry names), an entry that names no packs, a chain that does not continue from the
+    cache's head, a pack that cannot be read and that no later entry deleted."""
+    if store.location.local:
+        return False
+    registry, index = store.registry, store.index
+    seq, digest = registry.head(txn)
+    if not seq:
+        return False
+    t0 = time.perf_counter()
+    try:
+        entries = list(store.records.entries(after=seq, prev=digest))
+    except CasError:
+        return False
+    named = [_packs_named(entry) for entry in entries]
+    if any(packs is None for packs in named):
+        return False
+    wanted = sorted({p for packs in named for p in packs})
+    listed = _read_footers(store.objects.packs, wanted)
+    deleted = {p for e in entries if e.gc and e.gc["phase"] == "delete" for p in e.gc["packs"]}
+    if any(isinstance(listed[p], Exception) and p not in deleted for p in wanted):
+        return False
+    try:
+        for entry, packs in zip(entries, named):
+            for pack in packs:
+                if not isinstance(listed[pack], Exception):
+                    _index_pack(index, txn, pack, listed[pack])
+            registry.fold(txn, [entry])
+    except CorruptionError:
+        return False  # an entry that does not apply: the rebuild reports it
+    last = entries[-1] if entries else None
+    if last is not None:
+        registry.set_head(txn, last.seq, last.digest)
+        index.bump_generation(txn)
+    report.checkpoints = [ck.step for ck in registry.all(txn)]
+    report.packs += len(wanted)
+    report.seconds += time.perf_counter() - t0
+    return True
+
+
+def _packs_named(entry) -> list[bytes] | None:
+    """The packs an entry's objects are in (its saves' and its gc rewrites'); None when an add
+    names none (written by a cas that did not list them)."""
+    packs = list(entry.gc["new_packs"]) if entry.gc else []
+    for change in entry.changes:
+        if change["op"] == "add":
+            if not isinstance(change.get("packs"), list):
+                return None
+            packs.extend(bytes(p) for p in change["packs"])
+    return packs
+
+
+def _read_footers(packs, names: list[bytes]) -> dict:
+    """pack -> its footer entries, or the exception reading it raised (a HEAD and a ranged GET
+    each, many at once)."""
+    def one(pack: bytes):
+        size = packs.size(pack)
+        if size is None:
+            return MissingObjectError("a pack named by the record log is not in the store", key=pack.hex())
+        return _footer_or_error(packs, pack, size)
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(SCAN_THREADS, len(names)), thread_name_prefix="cas-scan") as pool:
+        return dict(zip(names, pool.map(one, names)))
+
+
+def _index_pack(index, txn, pack: bytes, listed) -> None:
+    """Index a pack's entries: a key with no record, or whose record is in a doomed pack, takes
+    this copy; any other keeps the copy it has (its checkpoints decode through it)."""
+    if listed is None:
+        raise CorruptionError(f"pack {pack.hex()} has no footer")  # format 1: not in a bucket
+    for e in listed:
+        current = index.record(txn, e.key)
+        if current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)):
+            continue
+        base = index.record(txn, e.base) if e.base is not None else None
+        index.put_record(txn, e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset, base=e.base,
+                                                  depth=min(base.depth + 1, 255) if base is not None else 0))
 
 
 # --- finding objects again ----------------------------------------------------------------

@@ -64,7 +64,8 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
             changes.append(remove_change(old))
         ck = record.checkpoint(commit_key, session.new_bytes)
         changes.append(add_change(ck, session.packs_written()))
-        seq = store.registry.commit(txn, "replace" if old is not None else "save", changes)
+        seq = store.registry.commit(txn, "replace" if old is not None else "save", changes,
+                                    check=session.check_nothing_lost)
         return dataclasses.replace(ck, seq=seq)
 
     return store.commit_session(session, finish)

@@ -62,6 +62,10 @@ class Entry:
     pid: int
     user: str
     changes: tuple  # the registry changes, applied in order, all or none
+    gc: dict | None = None  # a gc step in a bucket store (docs/format.md, "gc entries"), else None
+
+
+GC_PHASES = ("intent", "delete")
 
 
 def _user() -> str:
@@ -71,9 +75,19 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict]) -> bytes:
+def gc_step(phase: str, epoch: bytes, packs, new_packs=(), settles=()) -> dict:
+    """A gc entry's body: `packs` doomed (intent) or deleted (delete) in epoch `epoch`;
+    `new_packs` the packs its rewrites wrote (they hold the live entries of doomed packs);
+    `settles` (delete) earlier epochs it ends too (intents of gcs that did not finish)."""
+    return {"phase": phase, "epoch": bytes(epoch), "packs": sorted(bytes(p) for p in packs),
+            "new_packs": sorted(bytes(p) for p in new_packs), "settles": [bytes(e) for e in settles]}
+
+
+def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict], gc: dict | None = None) -> bytes:
     body = {"format": ENTRY_FORMAT, "seq": seq, "prev": prev, "why": why, "time": time.time(),
             "host": socket.gethostname(), "pid": os.getpid(), "user": _user(), "changes": changes}
+    if gc is not None:
+        body["gc"] = gc
     return ENTRY_MAGIC + msgpack.packb(body, use_bin_type=True)
 
 
@@ -90,7 +104,8 @@ def decode_entry(seq: int, data: bytes) -> Entry:
         prev = body["prev"]
         entry = Entry(seq=int(body["seq"]), digest=hash_bytes(data), prev=bytes(prev) if prev is not None else None,
                       why=str(body["why"]), time=float(body["time"]), host=str(body["host"]),
-                      pid=int(body["pid"]), user=str(body["user"]), changes=tuple(body["changes"]))
+                      pid=int(body["pid"]), user=str(body["user"]), changes=tuple(body["changes"]),
+                      gc=_checked_gc(body.get("gc")))
         for change in entry.changes:
             _check_change(change)
     except CasError:
@@ -100,6 +115,20 @@ def decode_entry(seq: int, data: bytes) -> Entry:
     if entry.seq != seq:
         raise CorruptionError(f"record log entry {name} says it is entry {entry.seq}: it was copied or renamed")
     return entry
+
+
+def _checked_gc(gc) -> dict | None:
+    if gc is None:
+        return None
+    if not isinstance(gc, dict) or gc.get("phase") not in GC_PHASES or not isinstance(gc.get("epoch"), bytes):
+        raise ValueError(f"unknown gc step {gc!r:.80}")
+    for field in ("packs", "new_packs"):
+        names = gc.get(field)
+        if not isinstance(names, list) or not all(isinstance(p, bytes) and len(p) == KEY_SIZE for p in names):
+            raise ValueError(f"a gc step's {field} are 32-byte pack names")
+    if not isinstance(gc.get("settles", []), list) or not all(isinstance(e, bytes) for e in gc.get("settles", [])):
+        raise ValueError("a gc step settles epochs named by bytes")
+    return gc
 
 
 def _check_change(change: dict) -> None:
@@ -156,9 +185,10 @@ class RecordLog:
             for start in range(first, last + 1, READ_AHEAD):
                 yield from pool.map(self.read, range(start, min(start + READ_AHEAD, last + 1)))
 
-    def append(self, seq: int, prev: bytes | None, why: str, changes: list[dict]) -> Entry | None:
+    def append(self, seq: int, prev: bytes | None, why: str, changes: list[dict],
+               gc: dict | None = None) -> Entry | None:
         """Create entry `seq`; None when another writer created it first (nothing written)."""
-        data = encode_entry(seq, prev, why, changes)
+        data = encode_entry(seq, prev, why, changes, gc)
         if not self.backend.put_if_absent(entry_name(seq), [data]):
             return None
         return decode_entry(seq, data)

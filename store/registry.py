@@ -129,6 +129,24 @@ def exists_error(step: int) -> CheckpointExistsError:
                                  "overwritten (delete it first, or save under another step)")
 
 
+class _Taken(Exception):
+    """Another cache created the log entry this one tried to."""
+
+
+def apply_gc(index, txn, seq: int, gc: dict | None) -> None:
+    """What a gc step of the log means to this host's cache: an intent dooms its packs (writers
+    stop relying on their objects) and indexes the packs its rewrites wrote; a delete ends the
+    epochs it names (their packs no longer doomed) and drops the records of the packs it
+    deleted (docs/architecture.md, "Stores in a bucket")."""
+    if gc is None:
+        return
+    if gc["phase"] == "intent":
+        index.doom_packs(txn, gc["packs"], gc["epoch"])
+    else:
+        for epoch in [gc["epoch"], *gc.get("settles", ())]:
+            index.settle_epoch(txn, bytes(epoch), gc["packs"])
+
+
 class Registry:
     """Reads come from the cache tables; every change is a log entry applied to them in the
     same LMDB write transaction. `rebuild(txn)` refolds the cache from the log: it runs when
@@ -193,25 +211,37 @@ class Registry:
             txn.put(b"log_hash", digest, db=meta)
 
     # --- changes ----------------------------------------------------------------------
-    def commit(self, txn, why: str, changes: list[dict]) -> int:
-        """Append `changes` to the log as one entry and apply them to the cache, all in the
-        caller's write transaction; returns the entry's seq. A change that does not apply
-        (a step that exists, a checkpoint that is gone) raises and writes nothing."""
+    def commit(self, txn, why: str, changes: list[dict], *, gc: dict | None = None,
+               check: Callable[[object], None] | None = None) -> int:
+        """Append `changes` (and a gc step, `gc`) to the log as one entry and apply them to the
+        cache, all in the caller's write transaction; returns the entry's seq. A change that
+        does not apply (a step that exists, a checkpoint that is gone) raises and writes nothing.
+        When another cache appended first, this one catches up with the log and, before trying
+        the next entry, runs `check(txn)`, which raises if what the change relies on is gone
+        (a gc on another host deleted it)."""
         if self.log is None:
             raise CasError(f"the store at {self.store_root} has format 1; open it writable once to upgrade it")
         for _ in range(APPEND_ATTEMPTS):
             seq, prev = self.head(txn)
-            self.apply(txn, seq + 1, changes)
-            entry = self.log.append(seq + 1, prev, why, changes)
-            if entry is not None:
-                faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind
-                self.set_head(txn, entry.seq, entry.digest)
+            try:
+                with self.index.nested(txn) as child:  # undone unless the entry is created
+                    self.apply(child, seq + 1, changes)
+                    entry = self.log.append(seq + 1, prev, why, changes, gc)
+                    if entry is None:
+                        raise _Taken()
+                    faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind
+                    apply_gc(self.index, child, seq + 1, gc)
+                    self.set_head(child, entry.seq, entry.digest)
                 return entry.seq
+            except _Taken:
+                pass
             if self.index.orphaned():  # its changes reach nobody: refolding here would only race the others
                 raise StoreWriteError(f"the index of the store at {self.store_root} was deleted or replaced while "
                                       "this process had it open, and another process committed since; nothing of "
                                       "this change was committed (the store's next save opens the index again)")
-            self.rebuild(txn)  # undoes what apply() wrote, and folds in the other writer's entry
+            self.rebuild(txn)  # folds in the other writers' entries
+            if check is not None:
+                check(txn)
         raise StoreWriteError(f"the record log of the store at {self.store_root} kept moving: {APPEND_ATTEMPTS} "
                               "other writers committed while this one tried; nothing was committed")
 
@@ -221,6 +251,7 @@ class Registry:
         for entry in entries:
             try:
                 self.apply(txn, entry.seq, list(entry.changes))
+                apply_gc(self.index, txn, entry.seq, entry.gc)
             except (CheckpointExistsError, CheckpointNotFoundError) as exc:
                 raise CorruptionError(f"record log entry {entry.seq} of the store at {self.store_root} does not "
                                       f"apply: {exc}") from None

@@ -22,7 +22,7 @@ from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
 
-from . import cache
+from . import cache, snapshots
 from . import layout as L
 from . import bases as delta_bases
 from . import pipeline
@@ -82,6 +82,8 @@ class CheckpointStore:
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
                                    CodecPolicy(compress=opts.compress, level=opts.compression_level),
                                    pack_max, backend=self.backend, pack_target=pack_target)
+        if not where.local:
+            self.objects.on_missing_pack = self.ensure_cache
         try:
             self._check_cache()
         except BaseException:
@@ -136,7 +138,7 @@ class CheckpointStore:
             cache.ensure_current(self, self.cache_report)
 
     def _rebuild(self, txn) -> None:
-        cache.rebuild(self, txn, self.cache_report)
+        cache.refresh(self, txn, self.cache_report)
 
     def ensure_cache(self) -> None:
         """Re-check the cache against the store (gc does before it marks, each save before it
@@ -292,6 +294,8 @@ class CheckpointStore:
         synced: it overwrites the previous save's bases in memory, so if this save then fails,
         the bases are dropped and the next save reads them back from the latest checkpoint."""
         with self.objects.session(f"save step {job.step}") as session:
+            if not self.location.local:  # after the lease: a gc elsewhere sees it, or its intent is folded here
+                self.ensure_cache()
             pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain,
                                    self._hash_pool)
             faults.point("save.chunks_written")
@@ -331,7 +335,7 @@ class CheckpointStore:
             return logged[-1]
 
         try:
-            return session.commit(logging)
+            ck = session.commit(logging)
         except Exception as exc:
             if not logged:
                 raise
@@ -343,6 +347,10 @@ class CheckpointStore:
             except Exception:  # noqa: BLE001 - still failing: the next open rebuilds it
                 pass
             return logged[0]
+        if not self.location.local and snapshots.due(ck.seq):
+            with self.index.read() as txn:
+                snapshots.take(self, txn)
+        return ck
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Called after every committed save (DCP's too); the public store applies retention here."""

@@ -134,17 +134,6 @@ def test_a_missing_bucket_bad_credentials_or_no_server_is_one_clear_error(s3_ser
     assert not list(tmp_path.iterdir())  # nothing made on this host either
 
 
-def test_gc_of_a_bucket_store_applies_retention_and_deletes_no_object(s3_url, tmp_path):
-    with host(s3_url, tmp_path, "a") as store:
-        for step in (1, 2, 3):
-            store.save(state(step), step=step)
-        before = set(store.backend.list("packs/"))
-        report = store.gc(keep_last=1)
-        assert [ck.step for ck in store.checkpoints()] == [3]
-        assert "cross-host protocol" in report.deferred and set(store.backend.list("packs/")) == before
-        assert_same(store.load(3), state(3))
-
-
 def test_the_cli_on_a_bucket_store(s3_url, tmp_path):
     import json
     import os

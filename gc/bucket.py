@@ -1,0 +1,233 @@
+"""The sweep of a store in a bucket, safe against saves running on other hosts, with no lock a
+save waits on (docs/architecture.md, "Stores in a bucket", has the protocol and its proof).
+
+In a bucket every object is in a pack, and hosts share nothing but the bucket: no LMDB writer
+lock orders a sweep against a claim. The record log does instead, since every entry is created
+create-only in one sequence. One gc epoch:
+1. mark from a cache proven current; doom every pack with no live entry, and every pack whose
+   live entries are under REWRITE_BELOW of its bytes after copying those into new packs;
+2. append an *intent* entry naming the doomed packs and the new ones: a host that folds it
+   indexes the copies and stops relying on the doomed packs (its writers store their own
+   copies), and every writer folds the log before it claims anything;
+3. wait until every writer lease listed after the intent has ended or expired;
+4. mark again from the log (the waited-for saves' commits) and keep any doomed pack that holds
+   an object now live and not copied (a save that reused it before it folded the intent);
+5. append a *delete* entry naming the rest, then delete them. A writer that appends after it
+   and relied on one of them (only one paused past its lease's expiry) finds it when it folds
+   the entry and fails, nothing committed (cas.objectstore WriteSession.check_nothing_lost).
+A crash leaves an intent without its delete (its packs stay doomed: writers store copies, and
+the next gc, dooming the same dead packs, settles it) or a delete whose packs are not all gone
+(no record names them any more: the next gc finds them dead and deletes them).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from cas import faults
+from cas.errors import CasError, CorruptionError, MissingObjectError
+from cas.index import WHERE_PACK
+from cas.objectstore import LEASE_PREFIX
+from cas.store.records import gc_step
+from cas.store import snapshots
+
+REWRITE_BELOW = 0.5  # a pack whose live bytes are under this share of it is rewritten
+MAX_ROUNDS = 5  # delete entries retried after other hosts committed meanwhile
+POLL_SECONDS = 0.25
+READ_THREADS = 16
+
+
+class _Moved(Exception):
+    """Another host committed while this gc appended its delete entry: mark again."""
+
+
+def sweep_bucket(store, report, marker_type, *, dry_run: bool, ignore_roots: set[bytes], progress,
+                 wait: float | None = None) -> None:
+    """One gc epoch over a bucket store (see the module docstring). `wait`: how long to wait for
+    other hosts' saves (default: their lease ttl and a margin); past it the epoch stays pending
+    and `report.deferred` says so."""
+    t0 = time.perf_counter()
+    store.ensure_cache()
+    index, packs = store.index, store.objects.packs
+    with index.read() as txn:
+        marker = marker_type(store, index.generation(txn))
+        roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
+    marker.mark(roots, progress)
+    report.live_objects = len(marker.live)
+    sizes = packs.sizes()
+    doomed, moves = _plan(store, marker.live, sizes)
+    report.mark_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if dry_run:
+        report.freed_bytes = sum(sizes[p] for p in doomed) - sum(rec.stored_size for recs in moves.values()
+                                                                  for _, rec in recs)
+        report.objects_swept = _dead_records(store, doomed, marker.live)
+        return
+    if doomed:
+        epoch = secrets.token_bytes(16)
+        moved = _rewrite_and_intend(store, epoch, doomed, moves)
+        faults.point("gc.intent_logged")
+        report.deferred = _wait_for_writers(store, wait)
+        if report.deferred is None:
+            deleted = _delete_epoch(store, report, marker, epoch, doomed, moved, progress)
+            report.packs_removed = len(deleted - set(moves))
+            report.packs_rewritten = len(deleted & set(moves))
+            report.reclaimed_bytes = sum(sizes[p] for p in deleted) - sum(
+                rec.stored_size for p in deleted & set(moves) for _, rec in moves[p])
+            report.freed_bytes = report.reclaimed_bytes
+    if report.deferred is None:
+        snapshots.prune(store)
+        store.backend.clean_tmp()
+    report.sweep_seconds = time.perf_counter() - t0
+
+
+def _plan(store, live: set[bytes], sizes: dict[bytes, int]) -> tuple[set[bytes], dict[bytes, list]]:
+    """(doomed packs, pack -> [(key, record)] of the live entries to copy out of it first). A
+    pack an unfinished writer of this cache holds an entry of is left alone."""
+    index = store.index
+    by_pack: dict[bytes, list] = {}
+    with index.read() as txn:
+        held = index.held_keys(txn)
+        for key, rec in index.iter_records(txn):
+            if rec.where == WHERE_PACK:
+                by_pack.setdefault(rec.pack, []).append((key, rec))
+    doomed, moves = set(), {}
+    for pack, size in sizes.items():
+        recs = by_pack.get(pack, [])
+        if any(key in held for key, _ in recs):
+            continue
+        alive = [(key, rec) for key, rec in recs if key in live]
+        if not alive:
+            doomed.add(pack)
+        elif sum(PACK_ENTRY_OVERHEAD + rec.stored_size for _, rec in alive) < REWRITE_BELOW * size:
+            doomed.add(pack)
+            moves[pack] = alive
+    return doomed, moves
+
+
+PACK_ENTRY_OVERHEAD = 64  # bytes of framing and footer per entry, near enough for planning
+
+
+def _dead_records(store, doomed: set[bytes], live: set[bytes]) -> int:
+    with store.index.read() as txn:
+        return sum(1 for key, rec in store.index.iter_records(txn)
+                   if rec.where == WHERE_PACK and rec.pack in doomed and key not in live)
+
+
+def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) -> set[bytes]:
+    """Copy the live entries of the packs to rewrite into new packs, then commit the intent
+    entry naming the doomed packs and the new ones, in one session. Returns the keys copied."""
+    moved: set[bytes] = set()
+    with store.objects.session("gc rewrite") as session:
+        session.hold([key for recs in moves.values() for key, _ in recs])
+        for pack, recs in moves.items():
+            for key, rec in recs:
+                try:
+                    blob = store.objects.packs.read(pack, rec.offset, rec.stored_size, key)
+                except CorruptionError:
+                    continue  # damaged: verify's business; the pack then keeps it (see _rescued)
+                session.write_encoded(key, blob, rec)
+                moved.add(key)
+        session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
+            txn, "gc intent", [], gc=gc_step("intent", epoch, doomed, session.packs_written())))
+    return moved
+
+
+def _wait_for_writers(store, wait: float | None) -> str | None:
+    """Wait until every writer lease in the bucket has ended or expired (None), or say why not."""
+    backend = store.backend
+    deadline = time.monotonic() + (wait if wait is not None else getattr(backend, "lease_ttl", 60.0) + 5.0)
+    pending = set(backend.list(LEASE_PREFIX))
+    while True:
+        for name in list(pending):
+            alive = backend.lease_alive(name)
+            if not alive:
+                pending.discard(name)
+                if alive is False:
+                    backend.delete(name)  # expired: its writer is gone (or lost its lease)
+        if not pending:
+            return None
+        if time.monotonic() >= deadline:
+            return (f"{len(pending)} save(s) on other hosts still running; the packs this gc means to delete "
+                    "stay until a later gc finds them done (their objects are safe either way)")
+        time.sleep(POLL_SECONDS)
+
+
+def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], moved: set[bytes], progress) -> set[bytes]:
+    """Mark the commits made since the first mark, append the delete entry naming the doomed
+    packs that hold nothing live and uncopied, then delete them; returns those deleted."""
+    listed = _footers(store.objects.packs, sorted(doomed))
+    for _ in range(MAX_ROUNDS):
+        store.ensure_cache()
+        with store.index.read() as txn:
+            generation = store.index.generation(txn)
+            new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
+            settles = _settled_epochs(store.index, txn, epoch, doomed)
+        marker.generation = generation
+        marker.mark(new_roots, progress)
+        with store.index.read() as txn:
+            kept = {p: _needed(store.index, txn, p, listed.get(p), marker.live, moved) for p in doomed}
+        deletable = {p for p, needed in kept.items() if needed is not True}
+        survivors = set().union(*(kept[p] for p in deletable)) - deletable
+        step = gc_step("delete", epoch, deletable, survivors, settles=settles)
+        report.objects_swept = _dead_records(store, deletable, marker.live)
+
+        def check(txn) -> None:
+            raise _Moved()
+        try:
+            with store.index.write() as txn:
+                store.registry.commit(txn, "gc delete", [], gc=step, check=check)
+        except _Moved:
+            continue
+        faults.point("gc.delete_logged")
+        for pack in sorted(deletable):
+            store.objects.packs.delete(pack)
+        return deletable
+    raise CasError(f"gc gave up: other hosts committed during each of its {MAX_ROUNDS} tries to end its epoch; "
+                   "its packs stay doomed until the next gc")
+
+
+def _footers(packs, names: list[bytes]) -> dict:
+    def one(pack: bytes):
+        size = packs.size(pack)
+        if size is None:
+            return MissingObjectError("gone", key=pack.hex())
+        try:
+            return packs.listed(pack, size)
+        except (CorruptionError, OSError) as exc:
+            return exc
+    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cas-gc") as pool:
+        return dict(zip(names, pool.map(one, names))) if names else {}
+
+
+def _needed(index, txn, pack: bytes, listed, live: set[bytes], moved: set[bytes]):
+    """True when a doomed pack must stay: it holds a live object that was not copied out and
+    that the index finds nowhere else (a save reused it before its host folded the intent), or
+    its footer cannot be read (damage is verify's business). Else the set of other packs that
+    hold its live objects (the delete entry names them, so a host whose cache finds an object
+    in this pack learns where else it is), empty for a pack of dead objects or one already gone."""
+    if isinstance(listed, MissingObjectError):
+        return set()
+    if listed is None or isinstance(listed, Exception):
+        return True
+    elsewhere = set()
+    for e in listed:
+        if e.key not in live or e.key in moved:
+            continue
+        rec = index.record(txn, e.key)
+        if rec is None or rec.where != WHERE_PACK or rec.pack == pack:
+            return True
+        elsewhere.add(rec.pack)
+    return elsewhere
+
+
+def _settled_epochs(index, txn, epoch: bytes, doomed: set[bytes]) -> list[bytes]:
+    """Earlier epochs left pending (their gc crashed or gave up) whose packs this one dooms all
+    of: its delete entry ends them too."""
+    by_epoch: dict[bytes, set[bytes]] = {}
+    for pack, other in index.doomed_packs(txn):
+        if other != epoch:
+            by_epoch.setdefault(other, set()).add(pack)
+    return [e for e, packs in by_epoch.items() if packs <= doomed]

@@ -1,0 +1,233 @@
+"""gc of a store in a bucket while other hosts save (gc/bucket.py), and how a host's cache keeps
+up with the others (catch-up, snapshots), against the real SeaweedFS server. A host is a
+process with its own cache folder; the interleavings are forced with fault points."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import cas
+from cas.store.records import RecordLog
+from cas.store.snapshots import SNAPSHOT_EVERY, snapshot_name
+from helpers import assert_same
+from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
+
+CHUNK = 64 << 10
+SAVER = """
+import sys, torch, cas
+url, cache, seed, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+g = torch.Generator().manual_seed(seed)
+state = {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(3)}, "step": seed, "note": f"state {seed}"}
+with cas.open(url, cache_dir=cache, chunk_size=64 << 10) as store:
+    try:
+        store.save(state, step=step)
+        print("committed", flush=True)
+    except cas.CasError as exc:
+        print("refused:", exc, flush=True)
+"""
+GC = """
+import sys, cas
+with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
+    store.gc(keep_last=1)
+"""
+
+
+def state(seed: int, n: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(n)}, "step": seed,
+            "note": f"state {seed}"}
+
+
+def host(url: str, tmp_path, name: str, **options):
+    return cas.open(url, cache_dir=str(tmp_path / f"cache-{name}"), chunk_size=CHUNK, **options)
+
+
+def spawn(script: str, *args, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=dict(os.environ, **(env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: str, proc: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"the worker ended first: {proc.stderr.read()[-2000:]}")
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def pack_sizes(store) -> dict:
+    return store.objects.packs.sizes()
+
+
+def last_gc_phase(store) -> str | None:
+    log = RecordLog(store.backend, store.path)
+    entry = log.read(log.last_seq())
+    return entry.gc["phase"] if entry.gc else None
+
+
+def assert_every_pack_holds_something_live(url, tmp_path, name: str) -> None:
+    """A fresh host's mark reaches an entry of every pack in the bucket: nothing is left over."""
+    with host(url, tmp_path, name) as fresh:
+        report = fresh.gc(dry_run=True)
+        assert report.freed_bytes <= 0 and fresh.verify().ok, report.to_json()
+
+
+def test_gc_deletes_what_no_checkpoint_needs_and_every_host_keeps_up(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "c") as c:
+        for step in (1, 2, 3):
+            a.save(state(step), step=step)
+        c.ensure_cache()
+        assert_same(c.load(1), state(1))  # c's cache now names the packs of checkpoint 1
+        before = pack_sizes(a)
+        report = a.gc(keep_last=1)
+        after = pack_sizes(a)
+        assert report.deferred is None and report.packs_removed > 0, report.to_json()
+        assert sum(after.values()) < sum(before.values()) and set(after) < set(before)
+        assert [ck.step for ck in a.checkpoints()] == [3]
+        assert a.gc().packs_removed == 0  # nothing more to do
+        # c folds the gc's entries before it saves: the objects of checkpoint 1 are gone, so it writes them
+        c.save(state(1), step=4)
+        assert_same(c.load(3), state(3))
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [3, 4] and fresh.verify().ok
+        assert_same(fresh.load(4), state(1))
+        assert_same(fresh.load(3), state(3))
+    assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
+def test_gc_while_another_host_saves_reusing_what_it_would_delete(s3_url, tmp_path):
+    """B claims the objects of checkpoint 1 (reused, not written), then pauses; gc on A removes
+    checkpoint 1, logs its intent and waits for B's lease; B commits; gc marks again, keeps the
+    packs B's checkpoint needs and deletes the rest."""
+    with host(s3_url, tmp_path, "a") as a:
+        a.save(state(1), step=1)
+        a.save(state(2), step=2)
+        gate = str(tmp_path / "gate")
+        b = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3, env={"CAS_FAULTS": f"save.chunks_written=pause:{gate}"})
+        wait_for(gate + ".reached", b)
+        reports: list = []
+        gc = threading.Thread(target=lambda: reports.append(a.gc(keep_last=1)))
+        gc.start()
+        deadline = time.monotonic() + 60
+        while last_gc_phase(a) != "intent":
+            assert time.monotonic() < deadline and gc.is_alive(), "gc logged no intent"
+            time.sleep(0.05)
+        assert gc.is_alive()  # waiting for B's lease
+        open(gate, "w").close()
+        out, err = b.communicate(timeout=120)
+        assert "committed" in out, err[-2000:]
+        gc.join(timeout=120)
+        assert reports and reports[0].deferred is None, reports
+        assert [ck.step for ck in a.checkpoints()] == [2, 3]
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert fresh.verify().ok
+        assert_same(fresh.load(3), state(1))
+        assert_same(fresh.load(2), state(2))
+
+
+def test_a_writer_paused_past_its_lease_fails_and_commits_nothing(s3_url, tmp_path, monkeypatch):
+    """B reuses the objects of checkpoint 1 and is stopped (SIGSTOP: its lease is not renewed);
+    gc waits out the lease, deletes them, and B, resumed, finds that out before its commit."""
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")
+    with host(s3_url, tmp_path, "a") as a:
+        a.save(state(1), step=1)
+        a.save(state(2), step=2)
+        gate = str(tmp_path / "gate")
+        b = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3, env={"CAS_FAULTS": f"save.chunks_written=pause:{gate}"})
+        wait_for(gate + ".reached", b)
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            report = a.gc(keep_last=1)
+            assert report.deferred is None and report.packs_removed > 0, report.to_json()
+        finally:
+            open(gate, "w").close()
+            os.kill(b.pid, signal.SIGCONT)
+        out, err = b.communicate(timeout=120)
+        assert "refused:" in out and "gc on another host deleted" in out, (out, err[-2000:])
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [2] and fresh.verify().ok
+    again = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3)
+    assert "committed" in again.communicate(timeout=120)[0]
+    with host(s3_url, tmp_path, "fresh2") as fresh:
+        assert_same(fresh.load(3), state(1))
+        assert fresh.verify().ok
+
+
+@pytest.mark.parametrize("phase", ["gc.intent_logged", "gc.delete_logged"])
+def test_a_gc_killed_at_each_phase_loses_nothing_and_the_next_gc_finishes(s3_url, tmp_path, phase):
+    with host(s3_url, tmp_path, "a") as a:
+        for step in (1, 2, 3):
+            a.save(state(step), step=step)
+    proc = spawn(GC, s3_url, tmp_path / "cache-gc", env={"CAS_FAULTS": f"{phase}=kill"})
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    with host(s3_url, tmp_path, "b") as b:
+        assert [ck.step for ck in b.checkpoints()] == [3] and b.verify().ok
+        b.save(state(1), step=4)  # objects the killed gc doomed or deleted: written again
+        assert_same(b.load(4), state(1))
+        report = b.gc()
+        assert report.deferred is None, report.to_json()
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [3, 4] and fresh.verify().ok
+        assert_same(fresh.load(3), state(3))
+        assert_same(fresh.load(4), state(1))
+        with fresh.index.read() as txn:
+            assert not fresh.index.any_doomed(txn)  # the next gc settled the killed one's epoch
+    assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
+@pytest.mark.parametrize("phase", ["session.pack_written", "commit.synced"])
+def test_gc_reclaims_what_a_killed_saver_left(s3_url, tmp_path, monkeypatch, phase):
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")  # the killed saver's lease expires soon
+    with host(s3_url, tmp_path, "a") as a:
+        a.save(state(1), step=1)
+        kept = pack_sizes(a)
+        proc = spawn(SAVER, s3_url, tmp_path / "cache-killed", 2, 2, env={"CAS_FAULTS": f"{phase}=kill"})
+        proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        assert set(pack_sizes(a)) > set(kept)  # the killed save left packs behind
+        report = a.gc()
+        assert report.deferred is None and report.packs_removed > 0, report.to_json()
+        assert pack_sizes(a) == kept
+        assert not a.backend.list("leases/")
+        assert_same(a.load(1), state(1))
+
+
+def test_a_host_behind_folds_only_the_new_entries(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "b") as b:
+        for step in range(1, 6):
+            a.save(state(step), step=step)
+        b.ensure_cache()
+        a.save(state(6), step=6)
+        b.backend.requests.clear()
+        b.ensure_cache()
+        assert b.exists(6)
+        sent = dict(b.backend.requests)
+        assert sum(sent.values()) <= 8 and sent.get("LIST", 0) <= 1, sent  # a rebuild lists and reads every pack
+        assert_same(b.load(6), state(6))
+
+
+def test_a_fresh_host_starts_from_a_snapshot_and_ignores_a_bad_one(s3_url, tmp_path):
+    small = lambda i: {"w": torch.full((8,), float(i)), "i": i}  # noqa: E731
+    with host(s3_url, tmp_path, "a") as a:
+        for step in range(1, SNAPSHOT_EVERY + 3):
+            a.save(small(step), step=step)
+        assert snapshot_name(SNAPSHOT_EVERY) in a.backend.list("snapshots/")
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert fresh.cache_report.snapshot == SNAPSHOT_EVERY
+        assert [ck.step for ck in fresh.checkpoints()] == list(range(1, SNAPSHOT_EVERY + 3))
+        assert_same(fresh.load(SNAPSHOT_EVERY + 2), small(SNAPSHOT_EVERY + 2))
+        fresh.backend.put_if_absent(snapshot_name(SNAPSHOT_EVERY + 1), [b"cas-snap\n" + b"garbage"])
+    with host(s3_url, tmp_path, "fresh2") as fresh:
+        assert fresh.cache_report.snapshot == SNAPSHOT_EVERY  # the garbage one skipped
+        assert [ck.step for ck in fresh.checkpoints()] == list(range(1, SNAPSHOT_EVERY + 3))
+        assert fresh.verify().ok
