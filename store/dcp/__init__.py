@@ -74,11 +74,11 @@ from cas.errors import DistributedCheckpointError
 from . import bases, segments
 from .manifest import DCP_FORMAT, DCP_VERSION, SavedCheckpoint, build_manifest, sharding_summary
 from .rank import HEADER_BYTES, WRITE_WINDOW_BYTES, global_skew, write_rank_items
-from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, load, metadata_from_plain, read_manifest,
-                     set_path)
+from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, bytesio_value, load, metadata_from_plain,
+                     planner_mappings, read_manifest, set_path, state_dict)
 from .writer import BARRIER_PURPOSE, CasWriter, save
 
 __all__ = ["BARRIER_PURPOSE", "DCP_FORMAT", "DCP_VERSION", "HEADER_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES",
            "CasReader", "CasWriter", "DistributedCheckpointError", "SavedCheckpoint", "assign_value", "bases",
-           "build_manifest", "global_skew", "load", "metadata_from_plain", "read_manifest", "save", "segments",
-           "set_path", "sharding_summary", "write_rank_items"]
+           "build_manifest", "bytesio_value", "global_skew", "load", "metadata_from_plain", "planner_mappings",
+           "read_manifest", "save", "segments", "set_path", "sharding_summary", "state_dict", "write_rank_items"]
