@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from .. import tensors as T
 from ..interop import DCP_METADATA, ImportRefusedError, unpickling_detail
+from .manifest import element_size
 from .reader import planner_mappings, set_path
 
 MAX_METADATA_BYTES = 1 << 30  # a larger .metadata is refused before it is read
@@ -177,11 +178,39 @@ def _whole_tensor(folder: str, files: dict, fqn: str, md: TensorStorageMetadata,
     return out
 
 
+def _check_size(folder: str, metadata: Metadata) -> None:
+    """Refuse metadata that claims more tensor bytes than the folder's files hold (each shard is
+    stored whole, torch.saved), before any tensor is allocated."""
+    claimed = 0
+    for md in metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            try:
+                size = [int(d) for d in md.size]
+                if any(d < 0 for d in size) or not isinstance(md.properties.dtype, torch.dtype):
+                    raise ValueError("malformed")
+                claimed += T.nbytes_of(element_size(md.properties.dtype), size)
+            except (TypeError, ValueError, AttributeError):
+                raise ImportRefusedError(f"{folder}: the metadata holds a malformed tensor description") from None
+    held = sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file())
+    if claimed > held:
+        raise ImportRefusedError(f"{folder}: the metadata claims {claimed} bytes of tensors, the folder's files hold "
+                                 f"{held}")
+
+
+def _place(state: dict, folder: str, fqn: str, path: tuple, value) -> None:
+    """Put one item where the saving planner took it from (planner_mappings)."""
+    try:
+        set_path(state, path, value)
+    except (TypeError, IndexError, KeyError, AttributeError):
+        raise ImportRefusedError(f"{folder}: item {fqn!r}'s place {list(path)} clashes with another item's") from None
+
+
 def read_dcp_folder(folder: str | os.PathLike) -> dict:
     """The state dict a DCP folder holds, whole tensors and values, read without running
     anything in it (see the module docstring). Raises ImportRefusedError for what it refuses."""
     folder = os.fspath(folder)
     metadata = read_metadata(folder)
+    _check_size(folder, metadata)
     mappings = planner_mappings(metadata)
     state: dict = {}
     files: dict = {}
@@ -196,10 +225,7 @@ def read_dcp_folder(folder: str | os.PathLike) -> dict:
                                       f"value {fqn!r}")
             else:
                 raise ImportRefusedError(f"{folder}: item {fqn!r} has metadata of type {type(md).__name__}")
-            if mappings is not None and fqn in mappings:
-                set_path(state, mappings[fqn], value)
-            else:
-                state[fqn] = value
+            _place(state, folder, fqn, mappings[fqn] if mappings is not None and fqn in mappings else (fqn,), value)
     finally:
         for f in files.values():
             f.close()
