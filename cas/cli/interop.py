@@ -64,7 +64,7 @@ def _add_import(p) -> None:
     p.epilog = (f"Step rule: {STEP_RULE}. A file without a number needs --step; in a folder, such a file "
                 "stops the import before anything is imported. torch.save files are read with "
                 "torch.load(weights_only=True) only: a file that needs more is refused, never unpickled. A DCP folder becomes "
-                f"one DCP checkpoint ({DCP_STEP_RULE}) that CasReader loads; its .metadata is read with DCP's "
+                f"one DCP checkpoint that CasReader loads; {DCP_STEP_RULE}. Its .metadata is read with DCP's "
                 "metadata classes allowed and nothing else, its items weights-only.")
 
 
