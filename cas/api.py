@@ -111,17 +111,24 @@ class Store(CheckpointStore):
         return self.set_pinned(step, False)
 
     def export(self, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
-               progress: ProgressCallback | None = None) -> interop.ExportReport:
+               progress: ProgressCallback | None = None, format: str | None = None) -> interop.ExportReport:
         """Write checkpoint `step`'s tensors to one safetensors file for serving or evaluation.
-        A weights-only export, NOT a training checkpoint (see cas.store.interop.export)."""
+        A weights-only export, NOT a training checkpoint (see cas.store.interop.export).
+        format="torch" (the default for .pt/.pth/.bin/.ckpt): its whole state dict, torch.save'd."""
         self._check_open()
-        return interop.export(self, step, path, keys=keys, relative=relative, progress=progress)
+        return interop.export(self, step, path, keys=keys, relative=relative, progress=progress, format=format)
 
     def import_file(self, path: str | os.PathLike, *, step: int | None = None) -> Checkpoint:
         """Save a .safetensors or torch.save file (read with torch.load(weights_only=True) only)
         as checkpoint `step`, by default the last number in the file's name."""
         self._check_open()
         return interop.import_file(self, path, step=step)
+
+    def import_dcp(self, folder: str | os.PathLike, *, step: int | None = None) -> Checkpoint:
+        """Save a DCP folder (FileSystemWriter's .metadata and *.distcp) as one DCP checkpoint
+        `step`, by default the last number in the folder's name; nothing arbitrary is unpickled."""
+        self._check_open()
+        return interop.import_dcp(self, folder, step=step)
 
     def import_folder(self, folder: str | os.PathLike, *,
                       progress: ProgressCallback | None = None) -> interop.FolderImport:

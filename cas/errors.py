@@ -30,8 +30,9 @@ class CheckpointNotFoundError(CasError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class CheckpointExistsError(CasError):
-    """A checkpoint with that step is already committed; steps are never overwritten."""
+class CheckpointExistsError(CasError, RuntimeError):
+    """A checkpoint with that step is already committed and the save did not ask to replace it
+    (a RuntimeError too, as DCP's FileSystemWriter(overwrite=False) raises)."""
 
 
 class StateMismatchError(CasError, ValueError):

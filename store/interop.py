@@ -3,9 +3,14 @@
 - export: a checkpoint's tensors as one safetensors file, the format serving stacks read. A
   weights-only export is NOT a training checkpoint: optimizer step counts, RNG state, the data
   position and every other non-tensor value are left out, so training cannot resume from it.
+  With format="torch", the checkpoint's whole state dict as one torch.save file instead (what
+  DCP's dcp_to_torch_save writes for a DCP folder; a DCP checkpoint is put together from its
+  shards), loadable with torch.load(weights_only=True) when its values allow it.
 - import: safetensors files and torch.save files become checkpoints, deduplicated like any save.
   A torch.save file is read with torch.load(weights_only=True) and nothing else: a file that needs
-  more (arbitrary pickled objects) is refused, never unpickled.
+  more (arbitrary pickled objects) is refused, never unpickled. A DCP folder (FileSystemWriter's
+  .metadata and *.distcp files) becomes one DCP checkpoint, read without unpickling anything
+  arbitrary (store/dcp/folder.py), loadable with CasReader at any world size.
 - diff: per tensor path, what changed between two checkpoints, and the stored bytes they share.
 - exclusive_bytes: per checkpoint, the stored bytes only it references (what deleting it frees).
 
@@ -24,13 +29,13 @@ import re
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from cas import faults
-from cas.errors import CasError
+from cas.errors import CasError, CheckpointNotFoundError
 from cas.fsutil import fsync_dir, tmp_name
 from cas.progress import ProgressCallback
 
@@ -40,6 +45,9 @@ from .tensors import TORCH_DTYPES
 from .values import numpy_dtype
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
+EXPORT_FORMATS = ("safetensors", "torch")
+DCP_METADATA = ".metadata"  # the file that makes a folder a DCP checkpoint (FileSystemWriter's)
+DCP_STEP_RULE = "a DCP folder's step is the last number in its name (checkpoint-500 -> 500)"
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 EXPORT_NOTE = "weights-only export of a cas checkpoint; not a training checkpoint"
 STEP_RULE = ("a file's step is the last number in its name without the suffix "
@@ -76,6 +84,10 @@ class ExportReport:
     tensors: int
     bytes: int
     skipped: list[str]  # paths of the non-tensor values left out
+    format: str = "safetensors"
+    # the globals torch.load(weights_only=True) of a torch export needs allowed
+    # (torch.serialization.safe_globals), e.g. "_io.BytesIO"; empty: it loads as it is
+    needs_safe_globals: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,17 +109,30 @@ def safetensors_dtypes() -> frozenset:
     return frozenset(ok)
 
 
+def export_format(path: str | os.PathLike, format: str | None) -> str:
+    """The export format asked for, or the one the file name says (.pt, .pth, .bin, .ckpt: torch;
+    anything else: safetensors)."""
+    if format is None:
+        return "torch" if file_kind(os.fspath(path)) == "torch.save" else "safetensors"
+    if format not in EXPORT_FORMATS:
+        raise CasError(f"unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    return format
+
+
 def export(store, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
-           progress: ProgressCallback | None = None) -> ExportReport:
+           progress: ProgressCallback | None = None, format: str | None = None) -> ExportReport:
     """Write checkpoint `step`'s tensors (or those under the top-level `keys`) to one
     safetensors file, names flattened with dots ("model.layer.weight"), for serving or
     evaluation. It is a weights-only artifact, not a training checkpoint: non-tensor values are
     left out (and listed in the report) and nothing in it can resume training. With `relative`
     and exactly one key, names drop that key ("layer.weight"), as the model's load_state_dict
-    expects. The file's metadata carries the step and checkpoint id."""
+    expects. The file's metadata carries the step and checkpoint id. format="torch" (the
+    default for a .pt, .pth, .bin or .ckpt path) writes the whole state instead (export_torch)."""
     target = os.path.realpath(os.fspath(path))
     if os.path.commonpath([target, os.path.realpath(store.path)]) == os.path.realpath(store.path):
         raise CasError(f"refusing to export into the store itself ({path}): choose a path outside {store.path}")
+    if export_format(path, format) == "torch":
+        return export_torch(store, step, path, keys=keys, relative=relative, progress=progress)
     reader = store.reader(step)
     ck = reader.checkpoint
     keys = [keys] if isinstance(keys, str) else keys
@@ -154,17 +179,79 @@ def _export_names(leaves: list[Leaf], prefix: str) -> list[str]:
     return names
 
 
+def export_torch(store, step: int, path: str | os.PathLike, *, keys=None, relative: bool = False,
+                 progress: ProgressCallback | None = None) -> ExportReport:
+    """Write checkpoint `step`'s state dict (or its top-level `keys`; with `relative` and one key,
+    that entry's own state) as one torch.save file: tensors and values alike, so unlike the
+    safetensors export it holds all the store does. A DCP checkpoint is put together from its
+    shards into whole tensors, nested as its planner flattened them (dcp_to_torch_save's output
+    for a DCP folder; store/dcp/reader.py: state_dict). The report lists the globals that
+    torch.load(weights_only=True) needs allowed for it (none for tensors and plain values)."""
+    reader = store.reader(step)
+    ck = reader.checkpoint
+    keys = [keys] if isinstance(keys, str) else keys
+    _relative_prefix(keys, relative)  # refuses relative without exactly one key
+    if is_dcp_checkpoint(reader):
+        from .dcp import state_dict
+
+        state = _selected(state_dict(store, ck.step), keys, ck.step)
+    else:
+        state = store.load(ck.step, keys=keys)
+    if relative:
+        state = state[keys[0]]
+    tensors = list(_tensors_in(state))
+    _write_atomically(os.fspath(path), lambda tmp: torch.save(state, tmp))
+    if progress:
+        progress("export", 1, 1)
+    needs = torch.serialization.get_unsafe_globals_in_checkpoint(os.fspath(path))
+    return ExportReport(os.fspath(path), ck.step, ck.id, len(tensors),
+                        sum(t.numel() * t.element_size() for t in tensors), [], "torch", sorted(needs))
+
+
+def is_dcp_checkpoint(reader) -> bool:
+    """Whether a checkpoint was saved through DCP (CasWriter's manifest: store/dcp/manifest.py)."""
+    top = reader.top()
+    return isinstance(top, dict) and isinstance(top.get("dcp"), dict) and "format" in top["dcp"] \
+        and {"metadata", "tensors", "values"} <= set(top)
+
+
+def _selected(state: dict, keys, step: int) -> dict:
+    if keys is None:
+        return state
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise CheckpointNotFoundError(f"checkpoint step {step} has no top-level entries {missing}; "
+                                      f"it has {list(state)}")
+    return {k: state[k] for k in keys}
+
+
+def _tensors_in(value) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+
+
 def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
-    """Write atomically: a reader never sees a half-written file under the final name."""
     from safetensors.torch import save_file
 
+    _write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` a file next to `path`, then give it that name: a reader never sees a
+    half-written file under the final name."""
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise CasError(f"cannot write {path}: the folder {directory} does not exist")
     tmp = tmp_name(directory, os.path.basename(path))
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -219,7 +306,7 @@ def _read_torch_save(path: str) -> tuple[object, dict]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         raise ImportRefusedError(
-            f"refused {path}: weights-only loading failed ({_unpickling_detail(exc)}); cas reads torch.save "
+            f"refused {path}: weights-only loading failed ({unpickling_detail(exc)}); cas reads torch.save "
             "files only with torch.load(weights_only=True) and never unpickles arbitrary objects: re-save it "
             "holding only tensors and plain containers, or as .safetensors") from None
     except Exception as exc:  # noqa: BLE001 - torch.load fails on bad input in many ways; all mean "cannot read"
@@ -228,7 +315,7 @@ def _read_torch_save(path: str) -> tuple[object, dict]:
     return state, {}
 
 
-def _unpickling_detail(exc: Exception) -> str:
+def unpickling_detail(exc: Exception) -> str:
     """The one informative part of torch's long weights-only error: the global it refused
     (torch 2.13 puts it mid-paragraph), else its one informative paragraph."""
     refused = re.search(r"Unsupported global: GLOBAL \S+", str(exc))
@@ -257,6 +344,36 @@ def import_file(store, path: str | os.PathLike, *, step: int | None = None) -> C
         return store.save(state, step=step, meta=meta)
     except TypeError as exc:
         raise TypeError(f"{path}: {exc}") from None
+
+
+def is_dcp_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder DCP's FileSystemWriter wrote (it holds a .metadata file)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def import_dcp(store, folder: str | os.PathLike, *, step: int | None = None) -> Checkpoint:
+    """Save a DCP folder (FileSystemWriter's output) as one DCP checkpoint `step` (default: the
+    last number in the folder's name), as if dcp.save had saved its state through a CasWriter:
+    CasReader loads it at any world size, io.BytesIO values included. Nothing in the folder is
+    unpickled beyond DCP's metadata classes and weights-only items (store/dcp/folder.py)."""
+    from .dcp import save as dcp_save
+    from .dcp.folder import read_dcp_folder, step_of_folder
+
+    folder = os.fspath(folder)
+    if not is_dcp_folder(folder):
+        raise ImportRefusedError(f"{folder} is not a DCP folder (it has no {DCP_METADATA} file)")
+    if step is None:
+        step = step_of_folder(folder)
+        if step is None:
+            raise ImportRefusedError(f"cannot tell the step of {folder}: {DCP_STEP_RULE}; give the step explicitly")
+    if store.exists(step):
+        raise exists_error(step)
+    state = read_dcp_folder(folder)
+    meta = {"imported_from": os.path.basename(os.path.normpath(folder)), "import_format": "dcp"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, as asked
+        dcp_save(state, store, step, no_dist=True, meta=meta)
+    return store.get(step)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import io
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -316,7 +318,26 @@ def scenario_s3_load(store: str, out: str, rank: int, world: int, res: Report) -
         res["compared"] = len(full)
 
 
-SCENARIOS = {"s3_save": scenario_s3_save, "s3_load": scenario_s3_load, "save": scenario_save, "reshard": scenario_reshard, "failures": scenario_failures,
+ECO_LOSSES = [0.5, 0.25, 0.125]
+ECO_RAW = b"\x00\xffcas"
+
+
+def scenario_ecosystem(store: str, out: str, rank: int, world: int, res: Report) -> None:
+    """An FSDP2 model with AdamW and, as DCP's end-to-end tests keep them, the training losses
+    torch.save'd into an io.BytesIO (with plain bytes beside them), saved by DCP's own
+    FileSystemWriter into OUT/dcp-7 and through CasWriter as step 7 of the store; the gathered
+    reference goes to OUT/ref_eco.pt (tests/test_dcp_ecosystem.py)."""
+    model, opt = sharded_model(world, seed=5)
+    train(model, opt, 1, seed=6)
+    write_reference(model, opt, rank, out, "ref_eco")
+    losses = io.BytesIO()
+    torch.save(ECO_LOSSES, losses)
+    extra = {"losses": losses, "raw": ECO_RAW, "epoch": 2}
+    dcp.save(dcp_state(model, opt, extra), storage_writer=FileSystemWriter(os.path.join(out, "dcp-7")))
+    res["saved"] = saved(cdcp.save(dcp_state(model, opt, extra), store, 7, chunk_size=CHUNK))
+
+
+SCENARIOS = {"ecosystem": scenario_ecosystem, "s3_save": scenario_s3_save, "s3_load": scenario_s3_load, "save": scenario_save, "reshard": scenario_reshard, "failures": scenario_failures,
              "solo": scenario_solo, "delta": scenario_delta}
 
 

@@ -363,6 +363,31 @@ def test_export_from_the_command_line(store_path, tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
 
 
+def test_export_torch_round_trips_the_whole_state_for_a_weights_only_load(store_path, tmp_path):
+    state = _training_state(narrow=("bfloat16",))
+    with open_store(store_path) as store:
+        store.save(state, step=5)
+        expected = store.load(5)
+    out = run("export", 5, tmp_path / "full.pt", "--json", store=store_path)  # .pt: the torch format
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["format"] == "torch" and report["needs_safe_globals"] == [] and report["skipped"] == []
+    loaded = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_same(loaded, expected)  # every value, not only the tensors
+    assert_same(loaded["model"], state["model"])
+    params = len(state["model"])  # each with exp_avg, exp_avg_sq and a step tensor; one in extras, one in narrow
+    assert report["tensors"] == params + 3 * params + 2
+    model = run("export", 5, tmp_path / "model.bin", "--format", "torch", "--keys", "model", "--relative",
+                store=store_path)
+    assert model.returncode == 0 and "its state dict" in model.stdout
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 10))
+    fresh.load_state_dict(torch.load(tmp_path / "model.bin", weights_only=True), strict=True)
+    for (name, a), b in zip(state["model"].items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    as_safetensors = run("export", 5, tmp_path / "w.pt", "--format", "safetensors", store=store_path)
+    assert as_safetensors.returncode == 0 and list(load_file(tmp_path / "w.pt"))[0].startswith("model.")
+
+
 def run_on_terminal(*args, store) -> tuple[int, str]:
     """Run the CLI with stderr on a pseudo-terminal; returns (exit status, what stderr showed).
     The parent keeps the terminal open until it has read everything, so no output is lost."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from cas.progress import progress_for
-from cas.store.interop import STEP_RULE
+from cas.store.interop import DCP_STEP_RULE, EXPORT_FORMATS, STEP_RULE, is_dcp_folder
 
 from .base import EXIT_OK, command, emit_json, human, parse_step, usage_error
 
@@ -20,7 +20,11 @@ def _sample(items: list[str], n: int = 5) -> str:
 # --- export ---------------------------------------------------------------------------------
 def _add_export(p) -> None:
     p.add_argument("step", type=parse_step)
-    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("out", help="the file to write (.safetensors; .pt, .pth, .bin or .ckpt for --format torch)")
+    p.add_argument("--format", choices=EXPORT_FORMATS,
+                   help="safetensors: the tensors, weights only; torch: the whole state dict as one torch.save file "
+                        "(dcp_to_torch_save's equivalent; DCP checkpoints put together from their shards). "
+                        "Default: torch for a .pt/.pth/.bin/.ckpt file, else safetensors")
     p.add_argument("--keys", nargs="+", metavar="KEY", help="only these top-level entries (e.g. model)")
     p.add_argument("--relative", action="store_true",
                    help="name tensors relative to the one --keys entry (layer.weight, not model.layer.weight)")
@@ -28,13 +32,21 @@ def _add_export(p) -> None:
 
 
 @command("export", "write a checkpoint's tensors to a .safetensors file for serving or evaluation (weights "
-         "only: NOT a training checkpoint; optimizer, RNG and other non-tensor state are left out)",
-             _add_export, read_only=True)
+         "only: NOT a training checkpoint; optimizer, RNG and other non-tensor state are left out), or with "
+         "--format torch its whole state dict to a torch.save file", _add_export, read_only=True)
 def cmd_export(store, args) -> int:
     with progress_for(args) as progress:
-        report = store.export(args.step, args.out, keys=args.keys, relative=args.relative, progress=progress)
+        report = store.export(args.step, args.out, keys=args.keys, relative=args.relative, progress=progress,
+                              format=args.format)
     if args.json:
         emit_json(report.to_json())
+        return EXIT_OK
+    if report.format == "torch":
+        print(f"exported step {report.step}: its state dict ({report.tensors} tensors, {human(report.bytes)}, and "
+              f"its values) to {report.path} (torch.save)")
+        if report.needs_safe_globals:
+            print(f"torch.load(weights_only=True) needs these allowed: {', '.join(report.needs_safe_globals)} "
+                  "(torch.serialization.safe_globals)")
         return EXIT_OK
     print(f"exported step {report.step}: {report.tensors} tensors, {human(report.bytes)} to {report.path}")
     if report.skipped:
@@ -45,23 +57,30 @@ def cmd_export(store, args) -> int:
 
 # --- import ---------------------------------------------------------------------------------
 def _add_import(p) -> None:
-    p.add_argument("path", help="a .safetensors or torch.save file (.pt, .pth, .bin, .ckpt), or a folder of them")
-    p.add_argument("--step", type=parse_step, help="the step of a single file (default: from its name)")
+    p.add_argument("path", help="a .safetensors or torch.save file (.pt, .pth, .bin, .ckpt), a folder of them, "
+                                "or a DCP folder (FileSystemWriter's .metadata and *.distcp files)")
+    p.add_argument("--step", type=parse_step, help="the step of a single file or DCP folder (default: from its name)")
     p.add_argument("--json", action="store_true")
     p.epilog = (f"Step rule: {STEP_RULE}. A file without a number needs --step; in a folder, such a file "
                 "stops the import before anything is imported. torch.save files are read with "
-                "torch.load(weights_only=True) only: a file that needs more is refused, never unpickled.")
+                "torch.load(weights_only=True) only: a file that needs more is refused, never unpickled. A DCP folder becomes "
+                f"one DCP checkpoint that CasReader loads; {DCP_STEP_RULE}. Its .metadata is read with DCP's "
+                "metadata classes allowed and nothing else, its items weights-only.")
 
 
 @command("import", "import .safetensors or torch.save files (read weights-only) as checkpoints; "
-         "a folder imports one file per step", _add_import, creates_store=True)
+         "a folder imports one file per step; a DCP folder imports as one DCP checkpoint", _add_import,
+         creates_store=True)
 def cmd_import(store, args) -> int:
     folder = os.path.isdir(args.path)
-    if folder and args.step is not None:
+    dcp = folder and is_dcp_folder(args.path)
+    if folder and not dcp and args.step is not None:
         return usage_error("--step applies to a single file; in a folder each file's step comes from its name")
     try:
         with progress_for(args) as progress:
-            if folder:
+            if dcp:
+                rows, ignored, before = [(args.path, store.import_dcp(args.path, step=args.step))], [], []
+            elif folder:
                 result = store.import_folder(args.path, progress=progress)
                 rows, ignored, before = result.checkpoints, result.ignored, result.already_imported
             else:

@@ -9,7 +9,7 @@ loads at any world size (DCP reshards).
 
 Protocol (DCP calls; "coordinator" is DCP's rank 0):
   1. set_up_storage_writer, coordinator only: open the store (create it if missing), refuse an
-     existing step, and open a WriteSession whose purpose starts with "barrier:". That lease
+     existing step unless overwrite=True (then the commit replaces it), and open a WriteSession whose purpose starts with "barrier:". That lease
      makes every gc sweep batch wait until it ends, and it exists before any rank looks at a
      file: ranks look only in write_data, which DCP runs after the coordinator's set-up.
   2. write_data, every rank, for its own items only: cut each tensor shard into chunks on the
@@ -23,8 +23,9 @@ Protocol (DCP calls; "coordinator" is DCP's rank 0):
      temporary replacement, reported with its results; then files.sync(). Ranks never open
      LMDB, so the design holds on a shared
      filesystem where LMDB cannot be shared. Non-tensor values are encoded
-     from the planner's ORIGINAL objects as msgpack with type tags (store/values.pack); only
-     an object msgpack cannot encode is kept as the planner's pickled bytes, tagged as such.
+     from the planner's ORIGINAL objects as msgpack with type tags (store/values.pack), an
+     io.BytesIO as its bytes and position; only an object neither can hold is kept as the
+     planner's pickled bytes, tagged as such.
      WriteResults carry chunk keys and encoded values back to the coordinator.
   3. finish, coordinator only, called by DCP only when every rank succeeded: adopt every
      reported chunk file into the session (indexed at commit; a key the index holds keeps its
@@ -64,7 +65,10 @@ the coordinator indexes them at its commit (segments.py). Deltas are refused the
 Files: writer.py (CasWriter: the coordinator's set-up, planning and commit; save), rank.py (a
 rank's chunks and values), manifest.py (the coordinator's manifest), reader.py (CasReader;
 load), bases.py (each rank's delta bases, kept by store/bases.py as Store.save keeps its own),
-failures.py (DCP's failures as CasErrors), segments.py (ranks saving into a bucket store).
+failures.py (DCP's failures as CasErrors), segments.py (ranks saving into a bucket store),
+folder.py (a DCP folder, FileSystemWriter's, read for `cas import` without unpickling anything
+arbitrary). state_dict(store, step) puts a DCP checkpoint together as one state dict (`cas
+export --format torch`).
 """
 
 from __future__ import annotations
@@ -74,11 +78,11 @@ from cas.errors import DistributedCheckpointError
 from . import bases, segments
 from .manifest import DCP_FORMAT, DCP_VERSION, SavedCheckpoint, build_manifest, sharding_summary
 from .rank import HEADER_BYTES, WRITE_WINDOW_BYTES, global_skew, write_rank_items
-from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, load, metadata_from_plain, read_manifest,
-                     set_path)
+from .reader import (READ_WINDOW_BYTES, CasReader, assign_value, bytesio_value, load, metadata_from_plain,
+                     planner_mappings, read_manifest, set_path, state_dict)
 from .writer import BARRIER_PURPOSE, CasWriter, save
 
 __all__ = ["BARRIER_PURPOSE", "DCP_FORMAT", "DCP_VERSION", "HEADER_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES",
            "CasReader", "CasWriter", "DistributedCheckpointError", "SavedCheckpoint", "assign_value", "bases",
-           "build_manifest", "global_skew", "load", "metadata_from_plain", "read_manifest", "save", "segments",
-           "set_path", "sharding_summary", "write_rank_items"]
+           "build_manifest", "bytesio_value", "global_skew", "load", "metadata_from_plain", "planner_mappings",
+           "read_manifest", "save", "segments", "set_path", "sharding_summary", "state_dict", "write_rank_items"]

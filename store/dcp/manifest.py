@@ -21,7 +21,7 @@ from cas.objectfiles import FileObjects
 from .. import tensors as T
 from ..tree import NodeWriter, Ref, TensorLeaf, chunk_spans
 from ..values import pack, unpack
-from .rank import REPLACEMENTS
+from .rank import BYTESIO, REPLACEMENTS
 
 DCP_FORMAT = 1
 DCP_VERSION = "1.0.0"  # DCP's own metadata version (FileSystemWriter writes the same)
@@ -95,6 +95,10 @@ def sharding_summary(size, chunks: list[ChunkStorageMetadata]) -> str:
 def _value_entry(fqn: str, data) -> dict:
     if isinstance(data, dict) and "msgpack" in data:
         return {"v": unpack(data["msgpack"], what=f"value {fqn!r}")}
+    if isinstance(data, dict) and BYTESIO in data:
+        if not (isinstance(data[BYTESIO], bytes) and type(data.get("pos")) is int):
+            raise CasError(f"a rank reported a malformed BytesIO value {fqn!r}")
+        return {BYTESIO: data[BYTESIO], "pos": data["pos"]}
     if isinstance(data, dict) and "pickle" in data:
         return {"pickle": bytes(data["pickle"])}
     raise CasError(f"no rank reported the value {fqn!r}")
@@ -122,7 +126,8 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_s
                    files: FileObjects) -> Manifest:
     """The state tree of a DCP checkpoint: a root value node referring to a metadata node (DCP's
     Metadata as plain values), a tensors node ({fqn: [tensor node per stored chunk]}) and a values
-    node ({fqn: {"v": value} or {"pickle": bytes}}). `files` checks the ranks' replacement files."""
+    node ({fqn: {"v": value}, {"bytesio": bytes, "pos": int} or {"pickle": bytes}}). `files`
+    checks the ranks' replacement files."""
     reported = _results_by_index(results)
     nodes = NodeWriter()
     items, shards, values, sharding = {}, {}, {}, {}

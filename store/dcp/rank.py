@@ -38,6 +38,7 @@ WRITE_WINDOW_BYTES = 256 << 20  # tensor bytes a rank holds views or copies of a
 HEADER_BYTES = 64  # enough for any object header (cas.codecs), a delta's base key included
 ABSENT, REUSABLE, REPLACE = "absent", "reusable", "replace"  # a rank's view of an existing object file
 REPLACEMENTS = "replacements"  # in a tensor's WriteResult: {chunk key: temporary file name}
+BYTESIO = "bytesio"  # a value entry holding an io.BytesIO's bytes (with "pos", its position)
 
 
 class RankObjects:
@@ -220,9 +221,20 @@ def _original_object(planner: SavePlanner, index: MetadataIndex) -> tuple[bool, 
     return False, None
 
 
+def bytesio_entry(buffer: io.BytesIO) -> dict:
+    """An io.BytesIO as plain data: its bytes and position. DCP carries non-tensor objects in
+    BytesIO values (its end-to-end tests keep a torch.save'd list of losses in one); their bytes
+    are the user's, so they are kept as bytes and never go through pickle (reader.bytesio_value)."""
+    return {BYTESIO: buffer.getvalue(), "pos": buffer.tell()}
+
+
 def _value_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
-    """Encode a non-tensor value as msgpack; only what msgpack cannot hold stays pickled."""
+    """Encode a non-tensor value as msgpack (an io.BytesIO as its bytes); only what msgpack
+    cannot hold stays pickled."""
     found, obj = _original_object(planner, item.index)
+    if found and isinstance(obj, io.BytesIO):
+        entry = bytesio_entry(obj)
+        return WriteResult(index=item.index, size_in_bytes=len(entry[BYTESIO]), storage_data=entry)
     if found:
         try:
             packed = pack(obj)

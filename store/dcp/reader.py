@@ -2,14 +2,16 @@
 manifest and rebuilds DCP's Metadata from plain msgpack values (read_metadata); read_data decodes
 only the chunks that hold the rows it needs, verifying each chunk's hash, and copies the requested
 block into the planner's tensors. Values go back into the planner's state dict directly (int
-dict keys of the target kept); planner.load_bytes, which unpickles, runs only for values saved
-as pickle and only with CasReader(..., allow_pickle=True)."""
+dict keys of the target kept; an io.BytesIO saved as its bytes comes back as an io.BytesIO);
+planner.load_bytes, which unpickles, runs only for values saved as pickle and only with
+CasReader(..., allow_pickle=True)."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import os
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -35,6 +37,7 @@ from ..store import CheckpointStore
 from ..tree import chunk_spans
 from .failures import as_cas_errors
 from .manifest import DCP_FORMAT, element_size
+from .rank import BYTESIO
 
 READ_WINDOW_BYTES = 256 << 20  # decoded chunk bytes a rank holds at once while loading
 
@@ -130,6 +133,52 @@ def metadata_from_plain(plain: dict, shard_refs: dict, read_shard) -> tuple[Meta
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=bool(item["requires_grad"])),
                                          torch.Size(item["size"]), chunks)
     return Metadata(sdm, planner_data=plain.get("planner_data"), version=plain.get("version")), shards
+
+
+def bytesio_value(entry: dict, fqn: str, step: int) -> io.BytesIO:
+    """The io.BytesIO a value entry of rank.bytesio_entry holds, at its saved position (as DCP's
+    own unpickling of a BytesIO gives it back); no pickle involved."""
+    data, pos = entry.get(BYTESIO), entry.get("pos")
+    if not isinstance(data, bytes) or type(pos) is not int or not 0 <= pos <= len(data):
+        raise CorruptionError(f"the BytesIO value {fqn!r} is malformed", step=step)
+    buffer = io.BytesIO(data)
+    buffer.seek(pos)
+    return buffer
+
+
+def planner_mappings(metadata: Metadata) -> dict | None:
+    """DefaultSavePlanner's planner_data: each flattened name's path in the original state
+    (str dict keys, int list positions); None when the planner left none that looks like it."""
+    data = metadata.planner_data
+    if not isinstance(data, dict):
+        return None
+    for path in data.values():
+        if not (isinstance(path, tuple) and path and all(type(p) in (str, int) for p in path)):
+            return None
+    return data
+
+
+def state_dict(store: CheckpointStore, step: int | None = None) -> dict:
+    """Checkpoint `step` (a DCP save; the latest when None) as one state dict: whole tensors and
+    values, nested as the saving planner flattened them (what dcp_to_torch_save makes of a DCP
+    folder), loaded by dcp.load in this process. A value saved as pickle is refused: nothing is
+    unpickled."""
+    loaded = read_manifest(store, store.path, step)
+    pickled = [fqn for fqn, entry in loaded.values.items() if isinstance(entry, dict) and "pickle" in entry]
+    if pickled:
+        raise CasError(f"checkpoint step {loaded.checkpoint.step} holds values saved as pickle ({', '.join(pickled)}); "
+                       "they are not unpickled here: load them with CasReader(..., allow_pickle=True) from a store "
+                       "you trust")
+    mappings = planner_mappings(loaded.metadata) or {}
+    target: dict = {}
+    for fqn, md in loaded.metadata.state_dict_metadata.items():
+        value = torch.empty(list(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) \
+            else None  # a placeholder the loaded value replaces
+        set_path(target, tuple(mappings.get(fqn, (fqn,))), value)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, as asked
+        load(target, store, loaded.checkpoint.step, no_dist=True)
+    return target
 
 
 def _existing_key(container, part):
@@ -331,6 +380,11 @@ class CasReader(StorageReader):
             raise CorruptionError(f"the DCP manifest lacks value {fqn!r}", step=loaded.checkpoint.step)
         if "v" in entry:
             assign_value(planner, item.dest_index.fqn, entry["v"])
+        elif BYTESIO in entry:
+            assign_value(planner, item.dest_index.fqn, bytesio_value(entry, fqn, loaded.checkpoint.step))
+        elif "pickle" not in entry:
+            raise CorruptionError(f"value {fqn!r} has an entry of unknown kind {sorted(entry)} (written by a newer "
+                                  "cas?)", step=loaded.checkpoint.step)
         elif not self.allow_pickle:
             raise CasError(f"value {fqn!r} of checkpoint step {loaded.checkpoint.step} was saved as pickle "
                            "(msgpack could not encode it); loading it runs the unpickler: pass "

@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from cas import faults
-from cas.errors import CasError, CorruptionError
+from cas.errors import CasError, CheckpointExistsError, CorruptionError
 from cas.index import WHERE_FILE
 from cas.objectstore import WriteSession
 
 from .. import tensors as T
 from ..bases import DELTA_MIN_BYTES
 from ..commit import SaveRecord, commit_save
-from ..registry import Checkpoint, exists_error
+from ..registry import Checkpoint
 from ..options import StoreOptions, checked_meta, checked_metrics
 from ..location import locate
 from ..opening import open_path
@@ -158,14 +158,24 @@ class CasWriter(StorageWriter):
     from the store's files beyond; see store/dcp/bases.py). retention: a cas.Retention applied
     after the commit when the store is opened here from a path (as cas.open's).
     After a failed direct dcp.save, call abort() or drop the writer to end its barrier lease.
+
+    overwrite: what to do when the store already holds `step` (FileSystemWriter's parameter of
+    that name). False (the default) refuses before any rank writes, with a CheckpointExistsError
+    (a RuntimeError, like FileSystemWriter's). FileSystemWriter defaults to True and warns that
+    it will default to False; here a store holds many steps and a restarted job re-saving a step
+    would silently replace a committed checkpoint, so replacing one is asked for, never assumed.
+    True replaces the step's checkpoint in the save's own commit (as Store.save(replace=True)):
+    until that commit the old checkpoint stays whole, so a save that fails loses nothing; a
+    pinned checkpoint is never replaced.
     """
 
     def __init__(self, path: str | os.PathLike | CheckpointStore, *, step: int, milestone: bool = False,
                  metrics: dict | None = None, meta: dict | None = None, options: StoreOptions | None = None,
-                 retention=None, **option_values) -> None:
+                 retention=None, overwrite: bool = False, **option_values) -> None:
         super().__init__()
         if type(step) is not int:
             raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+        self.overwrite = bool(overwrite)
         self.options = StoreOptions.of(options, **option_values)
         self.retention = retention  # a cas.Retention applied after the commit, on a store opened here
         self._store, self.path = store_and_path(path)
@@ -239,7 +249,7 @@ class CasWriter(StorageWriter):
                                          retention=self.retention)
         try:
             if store.exists(self.step):
-                raise exists_error(self.step)
+                self._check_overwrite(store)
             session = store.objects.session(BARRIER_PURPOSE.format(step=self.step))
         except BaseException:
             if owns:
@@ -247,6 +257,18 @@ class CasWriter(StorageWriter):
             raise
         self._pending = pending = PendingCommit(store, session, time.time(), owns)
         self._finalizer = weakref.finalize(self, pending.release)
+
+    def _check_overwrite(self, store: CheckpointStore) -> None:
+        """An existing step: refused unless overwrite=True (worded as FileSystemWriter's error), and
+        a pinned one always, before any rank writes."""
+        if not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists and overwrite=False: the store {self.path} holds step {self.step}; "
+                "pass CasWriter(..., overwrite=True) to replace it (in this save's commit: a save that fails "
+                "keeps it), or save under another step")
+        if store.get(self.step).pinned:
+            raise CasError(f"checkpoint {self.step} in {self.path} is pinned (a legal hold); overwrite=True cannot "
+                           "replace it (unpin it first)")
 
     # -- planning --
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -342,7 +364,8 @@ class CasWriter(StorageWriter):
         meta = {**self.meta, "dcp": {"world_size": len(results), "sharding": manifest.sharding}}
         record = SaveRecord(self.step, pending.created, self.milestone, self.metrics, meta, manifest.logical_bytes)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cas-dcp") as pool:
-            return commit_save(store, session, record, manifest.tree, manifest.nodes.blobs, pool, "dcp.nodes_written")
+            return commit_save(store, session, record, manifest.tree, manifest.nodes.blobs, pool, "dcp.nodes_written",
+                               replacing=self.overwrite)
 
 
 def save(state: dict, path: str | os.PathLike | CheckpointStore, step: int, *, planner: SavePlanner | None = None,
