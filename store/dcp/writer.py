@@ -251,6 +251,8 @@ class CasWriter(StorageWriter):
             if store.exists(self.step):
                 self._check_overwrite(store)
             session = store.objects.session(BARRIER_PURPOSE.format(step=self.step))
+            if not store.location.local:  # after the lease, as a save: gc intents folded before any confirm
+                store.ensure_cache()
         except BaseException:
             if owns:
                 store.close()
