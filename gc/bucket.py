@@ -49,6 +49,8 @@ def sweep_bucket(store, report, marker_type, *, dry_run: bool, ignore_roots: set
     other hosts' saves (default: their lease ttl and a margin); past it the epoch stays pending
     and `report.deferred` says so."""
     t0 = time.perf_counter()
+    if not dry_run:
+        report.leases_reaped += _reap_expired(store.backend)
     store.ensure_cache()
     index, packs = store.index, store.objects.packs
     with index.read() as txn:
@@ -133,6 +135,15 @@ def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) ->
         session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
             txn, "gc intent", [], gc=gc_step("intent", epoch, doomed, session.packs_written())))
     return moved
+
+
+def _reap_expired(backend) -> int:
+    """Delete the lease objects whose holders stopped renewing them past their ttl (a killed
+    writer's); returns how many."""
+    expired = [name for name in backend.list(LEASE_PREFIX) if backend.lease_alive(name) is False]
+    for name in expired:
+        backend.delete(name)
+    return len(expired)
 
 
 def _wait_for_writers(store, wait: float | None) -> str | None:

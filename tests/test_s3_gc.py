@@ -134,6 +134,39 @@ def test_gc_while_another_host_saves_reusing_what_it_would_delete(s3_url, tmp_pa
         assert_same(fresh.load(2), state(2))
 
 
+def test_a_save_that_starts_after_the_intent_writes_its_own_copies(s3_url, tmp_path):
+    """gc on A logs its intent (dooming the packs of checkpoint 1) and pauses; B then saves the
+    same state as checkpoint 1: it must not rely on the doomed packs, so it writes copies; gc
+    goes on, deletes the doomed packs, and B's checkpoint loads."""
+    from cas import faults
+
+    with host(s3_url, tmp_path, "a") as a:
+        a.save(state(1), step=1)
+        a.save(state(2), step=2)
+        gate = str(tmp_path / "gc-gate")
+        faults.configure(f"gc.intent_logged=pause:{gate}")
+        try:
+            reports: list = []
+            gc = threading.Thread(target=lambda: reports.append(a.gc(keep_last=1)))
+            gc.start()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate + ".reached"):
+                assert time.monotonic() < deadline and gc.is_alive(), "gc never logged its intent"
+                time.sleep(0.02)
+            b = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3)
+            out, err = b.communicate(timeout=120)
+            assert "committed" in out, err[-2000:]
+        finally:
+            open(gate, "w").close()
+            faults.configure("")
+        gc.join(timeout=120)
+        assert reports and reports[0].deferred is None and reports[0].packs_removed > 0, reports
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [2, 3] and fresh.verify().ok
+        assert_same(fresh.load(3), state(1))
+    assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
 def test_a_writer_paused_past_its_lease_fails_and_commits_nothing(s3_url, tmp_path, monkeypatch):
     """B reuses the objects of checkpoint 1 and is stopped (SIGSTOP: its lease is not renewed);
     gc waits out the lease, deletes them, and B, resumed, finds that out before its commit."""

@@ -235,11 +235,14 @@ KILL_PHASES = [("save.hashed", False), ("session.pack_written", False), ("commit
 
 
 @pytest.mark.parametrize("phase,committed", KILL_PHASES)
-def test_a_saver_killed_at_each_phase_leaves_every_committed_checkpoint(s3_url, tmp_path, phase, committed):
+def test_a_saver_killed_at_each_phase_leaves_every_committed_checkpoint(s3_url, tmp_path, monkeypatch, phase,
+                                                                        committed):
     import os
     import signal
     import subprocess
     import sys
+
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")  # gc waits out the killed saver's lease
 
     with host(s3_url, tmp_path, "a") as store:
         store.save(state(1), step=1)
@@ -256,6 +259,10 @@ def test_a_saver_killed_at_each_phase_leaves_every_committed_checkpoint(s3_url, 
         else:
             fresh.save(state(2), step=2)  # the step is free again
             assert_same(fresh.load(2), state(2))
+        report = fresh.gc()  # the killed save's leftovers go
+        assert report.deferred is None and fresh.gc(dry_run=True).freed_bytes <= 0, report.to_json()
+        assert fresh.verify().ok
+        assert_same(fresh.load(2), state(2))
 
 
 def test_the_server_killed_and_restarted_in_the_middle_of_a_save(tmp_path, monkeypatch):
@@ -263,6 +270,7 @@ def test_the_server_killed_and_restarted_in_the_middle_of_a_save(tmp_path, monke
 
     server = SeaweedServer(str(tmp_path / "weed"), access_key=ACCESS_KEY, secret_key=SECRET_KEY)
     server.start()
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")  # a lease the dead server never saw end expires soon
     try:
         point_env_at(server, monkeypatch)
         url = f"s3://{server.make_bucket()}/run"
@@ -287,6 +295,9 @@ def test_the_server_killed_and_restarted_in_the_middle_of_a_save(tmp_path, monke
                 assert steps == [1, 2]
                 assert all(torch.equal(fresh.load(2)[k], v) for k, v in big.items())
             assert_same(fresh.load(1), state(1))
+            report = fresh.gc()  # what the interrupted save left goes
+            assert report.deferred is None and fresh.gc(dry_run=True).freed_bytes <= 0, report.to_json()
+            assert fresh.verify().ok
     finally:
         server.stop()
 
