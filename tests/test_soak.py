@@ -121,10 +121,14 @@ def test_a_commit_during_a_rebuild_by_a_process_on_the_deleted_index_loads(tmp_p
     while not os.path.exists(flag + ".reached"):  # the opener has scanned the objects, not yet the log
         assert time.monotonic() < deadline and opener.poll() is None
         time.sleep(0.01)
+    # The saver goes on now. Since a process reopens an index deleted under it before it saves,
+    # its commit waits for the opener's rebuild transaction (once it waited out the fault point's
+    # two-minute pause here); either order must leave a cache that holds step 2 and its objects.
     open(go, "w").close()
+    time.sleep(0.5)
+    open(flag, "w").close()
     assert saver.stdout.readline().strip() == "saved"
     assert saver.wait(timeout=120) == 0
-    open(flag, "w").close()
     assert opener.wait(timeout=120) == 0
     with cas.open(path, **OPTS) as store:  # the rebuilt cache is current: nothing rebuilds it again
         loaded = store.load(2)  # MissingObjectError: object file is missing (checkpoint step 2, ...)
