@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,bench,integrations,s3]'
+	$(BIN)/pip install -q -e '.[test,bench,integrations,s3,crypto]'
 	touch $@
 
 setup: $(BIN)/.installed

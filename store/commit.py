@@ -14,7 +14,7 @@ from cas.errors import CasError
 from cas.hashing import hash_bytes
 from cas.objectstore import WriteSession
 
-from . import pipeline
+from . import pipeline, provenance, signing
 from .registry import Checkpoint, add_change, remove_change
 from .tree import Ref, commit_node
 
@@ -62,8 +62,11 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
             if old.pinned:
                 raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
             changes.append(remove_change(old))
-        ck = record.checkpoint(commit_key, session.new_bytes)
-        changes.append(add_change(ck, session.packs_written()))
+        ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes), provenance=provenance.collect())
+        change = add_change(ck, session.packs_written())
+        if store.signing_key is not None:
+            change["signature"] = signing.sign(change, store.signing_key)
+        changes.append(change)
         seq = store.registry.commit(txn, "replace" if old is not None else "save", changes,
                                     check=session.check_nothing_lost)
         return dataclasses.replace(ck, seq=seq)

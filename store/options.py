@@ -19,6 +19,7 @@ from cas.codecs import checked_level
 from cas.errors import CasError
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
 
+from . import signing
 from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -39,6 +40,8 @@ class StoreOptions:
     save kept in memory for that (None: all of them; the rest is read back from the store).
     cache_dir: where a bucket store's LMDB cache lives (default $CAS_CACHE_DIR, else
     ~/.cache/cas); two processes with different cache folders behave as two hosts.
+    signing_key: an ed25519 private key (32 raw bytes, PEM or OpenSSH bytes, a path to such a
+    file, or a cryptography key) that signs every checkpoint this store commits.
     """
 
     create: bool = True
@@ -54,9 +57,12 @@ class StoreOptions:
     max_chain: int = DEFAULT_MAX_CHAIN
     delta_memory: int | None = None
     cache_dir: str | None = None
+    signing_key: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         checked_level(self.compression_level)
+        if self.signing_key is not None:
+            object.__setattr__(self, "signing_key", signing.private_key(self.signing_key))  # refused now, not at a save
         if type(self.max_chain) is not int or not 0 <= self.max_chain <= MAX_CHAIN_DECODE:
             # chains deeper than MAX_CHAIN_DECODE are refused on restore, as cycles
             raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {self.max_chain!r}")

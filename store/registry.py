@@ -60,6 +60,8 @@ class Checkpoint:
     pinned: bool = False
     seq: int = 0  # the record log entry that committed it: commit order, never the wall clock
     mirrored: bool = False  # pushed to the mirror of the store it lives in (a `set` entry says so)
+    provenance: dict = field(default_factory=dict, compare=False)  # what produced it (store/provenance.py)
+    signature: dict | None = field(default=None, compare=False, repr=False)  # store/signing.py
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -70,18 +72,20 @@ class Checkpoint:
         return {"step": self.step, "id": self.id, "created": self.created.isoformat(),
                 "milestone": self.milestone, "pinned": self.pinned, "metrics": self.metrics, "meta": self.meta,
                 "logical_bytes": self.logical_bytes, "new_bytes": self.new_bytes, "seq": self.seq,
-                "mirrored": self.mirrored}
+                "mirrored": self.mirrored, "provenance": self.provenance}
 
 
 _KNOWN = {"format", "id", "created", "milestone", "pinned", "metrics", "meta", "logical_bytes", "new_bytes", "seq",
-          "mirrored"}
+          "mirrored", "provenance", "signature"}
 
 
 def _pack(ck: Checkpoint) -> bytes:
     return msgpack.packb({"format": RECORD_FORMAT, "id": ck.key, "created": ck.created.timestamp(),
                           "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics,
                           "meta": ck.meta, "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes,
-                          "seq": ck.seq, "mirrored": ck.mirrored, **ck.extra}, use_bin_type=True)
+                          "seq": ck.seq, "mirrored": ck.mirrored, "provenance": ck.provenance,
+                          **({"signature": ck.signature} if ck.signature else {}), **ck.extra},
+                         use_bin_type=True)
 
 
 def _unpack(step: int, data: bytes) -> Checkpoint:
@@ -93,16 +97,22 @@ def _unpack(step: int, data: bytes) -> Checkpoint:
             milestone=bool(rec["milestone"]), pinned=bool(rec.get("pinned", False)),
             metrics=dict(rec["metrics"]), meta=dict(rec["meta"]),
             logical_bytes=int(rec["logical_bytes"]), new_bytes=int(rec["new_bytes"]), seq=int(rec.get("seq", 0)),
-            mirrored=bool(rec.get("mirrored", False)), extra={k: v for k, v in rec.items() if k not in _KNOWN})
+            mirrored=bool(rec.get("mirrored", False)), provenance=dict(rec.get("provenance") or {}),
+            signature=rec.get("signature"), extra={k: v for k, v in rec.items() if k not in _KNOWN})
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise CorruptionError(f"registry record of step {step} is damaged: {exc}") from None
 
 
 def add_change(ck: Checkpoint, packs=()) -> dict:
-    """The log change that commits `ck` (`packs`: the pack files its save wrote)."""
-    return {"op": "add", "step": ck.step, "id": ck.key, "created": ck.created.timestamp(),
-            "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics, "meta": ck.meta,
-            "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes, "packs": [bytes(p) for p in packs]}
+    """The log change that commits `ck` (`packs`: the pack files its save wrote). A copied
+    checkpoint keeps its signature: it covers no field a copy changes (store/signing.py)."""
+    change = {"op": "add", "step": ck.step, "id": ck.key, "created": ck.created.timestamp(),
+              "milestone": ck.milestone, "pinned": ck.pinned, "metrics": ck.metrics, "meta": ck.meta,
+              "logical_bytes": ck.logical_bytes, "new_bytes": ck.new_bytes, "packs": [bytes(p) for p in packs],
+              "provenance": ck.provenance}
+    if ck.signature:
+        change["signature"] = ck.signature
+    return change
 
 
 def set_change(ck: Checkpoint, **flags: bool) -> dict:
@@ -119,7 +129,8 @@ def _from_add(change: dict, seq: int) -> Checkpoint:
                           created=_dt.datetime.fromtimestamp(float(change["created"]), _dt.timezone.utc),
                           milestone=bool(change["milestone"]), pinned=bool(change.get("pinned", False)),
                           metrics=dict(change["metrics"]), meta=dict(change["meta"]),
-                          logical_bytes=int(change["logical_bytes"]), new_bytes=int(change["new_bytes"]), seq=seq)
+                          logical_bytes=int(change["logical_bytes"]), new_bytes=int(change["new_bytes"]), seq=seq,
+                          provenance=dict(change.get("provenance") or {}), signature=change.get("signature"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CorruptionError(f"record log entry {seq} holds a damaged checkpoint record: {exc}") from None
 

@@ -22,7 +22,7 @@ from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
 
-from . import cache, snapshots
+from . import cache, signing, snapshots
 from . import layout as L
 from . import bases as delta_bases
 from . import pipeline
@@ -102,6 +102,7 @@ class CheckpointStore:
         self.delta = opts.delta
         self.max_chain = opts.max_chain
         self.delta_memory = opts.delta_memory  # bytes of the last save kept for deltas; None: all of them
+        self.signing_key = opts.signing_key  # signs each commit's record (store/signing.py), or None
         # the last save's floating tensors; None until the first delta save of this open store
         self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
@@ -496,6 +497,20 @@ class CheckpointStore:
         self._check_open()
         cks = [self.resolve(step)] if step is not None else self.checkpoints()
         return verify_checkpoints(self, cks, quick=quick, progress=progress)
+
+    def verify_signatures(self, public_key) -> dict[int, str]:
+        """step -> what is wrong, for every checkpoint not signed by `public_key` (32 raw bytes,
+        64 hex digits, PEM or OpenSSH, or a path to such a file) as its record now stands;
+        empty when every one is (store/signing.py)."""
+        self._check_open()
+        return signing.check_store(self, public_key)
+
+    def log(self) -> list:
+        """The record log, oldest first: every change to the store's checkpoints (saves,
+        removals by rm, gc or retention, pins, milestones, copies), with its time, host, pid
+        and user. gc never removes it: it is the store's audit trail."""
+        self._check_open()
+        return list(self.records.entries())
 
     def stats(self) -> StoreStats:
         self._check_open()

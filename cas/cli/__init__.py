@@ -16,7 +16,7 @@ import sys
 
 from cas.errors import CasError
 
-from . import commands, interop, transfer  # noqa: F401 - importing them registers their commands
+from . import audit, commands, interop, transfer  # noqa: F401 - importing them registers their commands
 from .base import COMMANDS, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, run_on_store
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "build_parser", "main"]

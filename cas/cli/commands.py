@@ -26,6 +26,9 @@ def _add_verify(p) -> None:
     p.add_argument("step", type=parse_step, nargs="?")
     p.add_argument("--quick", action="store_true",
                    help="check chunks for presence, size and header only (a damaged payload passes)")
+    p.add_argument("--signatures", metavar="PUBKEY",
+                   help="also check that every checkpoint is signed by this ed25519 public key (a file: "
+                        "PEM, OpenSSH or 32 raw bytes; or 64 hex digits)")
     p.add_argument("--json", action="store_true")
 
 def _add_du(p) -> None:
@@ -106,6 +109,10 @@ def cmd_show(store, args) -> int:
         print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
     if ck.meta:
         print("meta " + json.dumps(ck.meta, default=str))
+    if ck.provenance:
+        print("provenance " + _provenance_line(ck.provenance))
+    if ck.signature:
+        print(f"signed by ed25519 key {bytes(ck.signature.get('public_key', b'')).hex()}")
     against = f"not in step {prev.step}" if prev else "first checkpoint"
     print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  {'chain':>5}  "
           f"new ({against})")
@@ -115,19 +122,40 @@ def cmd_show(store, args) -> int:
     return EXIT_OK
 
 
+def _provenance_line(prov: dict) -> str:
+    git = prov.get("git") or {}
+    parts = [f"cas {prov.get('cas')}", f"torch {prov.get('torch')}", f"python {prov.get('python')}",
+             f"numpy {prov.get('numpy')}", f"host {prov.get('host')}", f"pid {prov.get('pid')}",
+             f"world_size {prov.get('world_size')}", f"devices {','.join(map(str, prov.get('devices') or []))}"]
+    if git:
+        parts.append(f"git {git.get('commit', '')[:12]}{' (dirty)' if git.get('dirty') else ''}")
+    parts.append("argv " + " ".join(map(str, prov.get("argv") or [])))
+    return "  ".join(parts)
+
+
 # Opened for writing where it can be (it falls back to read-only by itself): what it finds is
 # recorded in the index, so that saves stop building on it.
 @command("verify", "check every object of one or all checkpoints against its hash", _add_verify)
 def cmd_verify(store, args) -> int:
+    unsigned = store.verify_signatures(args.signatures) if args.signatures else {}
+    if args.step is not None:
+        unsigned = {s: why for s, why in unsigned.items() if s == args.step}
     with progress_for(args) as progress:
         report = store.verify(args.step, quick=args.quick, progress=progress)
+    ok = report.ok and not unsigned
     if args.json:
-        emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
+        emit_json({"ok": ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
                     "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
-                    "recorded_damaged": report.recorded, "payloads_checked": not report.quick})
-        return EXIT_OK if report.ok else EXIT_PROBLEM
+                    "recorded_damaged": report.recorded, "payloads_checked": not report.quick,
+                    **({"signatures_checked": True, "unsigned": {str(s): w for s, w in unsigned.items()}}
+                       if args.signatures else {})})
+        return EXIT_OK if ok else EXIT_PROBLEM
+    for step, why in sorted(unsigned.items()):
+        print(f"SIGNATURE: checkpoint {step}: {why}")
+    if args.signatures and not unsigned:
+        print("signatures ok: every checkpoint checked is signed by that key")
     for p in report.problems:
         print(f"PROBLEM: {p}")
     print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
@@ -136,7 +164,7 @@ def cmd_verify(store, args) -> int:
           f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
     for line in _verify_notes(report):
         print(line)
-    return EXIT_OK if report.ok else EXIT_PROBLEM
+    return EXIT_OK if ok else EXIT_PROBLEM
 
 
 def _verify_notes(report) -> list[str]:

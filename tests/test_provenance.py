@@ -1,0 +1,142 @@
+"""Provenance on every save, signed checkpoints, and the audit trail (`cas log`): the parts of
+"Security and provenance" built so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cas
+from cas.store.records import RecordLog
+
+ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
+from cryptography.hazmat.primitives import serialization  # noqa: E402
+
+PROVENANCE_KEYS = {"cas", "torch", "python", "numpy", "host", "pid", "world_size", "devices", "git", "argv"}
+
+
+def cli(*args, path, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cas.cli", "--store", str(path), *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def public_pem(key, path) -> str:
+    with open(path, "wb") as f:
+        f.write(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(path)
+
+
+def test_every_save_records_its_provenance_and_a_copy_keeps_it(tmp_path):
+    with cas.open(tmp_path / "s") as store:
+        ck = store.save({"w": torch.ones(4)}, step=1, meta={"mine": 1})
+        assert PROVENANCE_KEYS <= ck.provenance.keys()
+        assert ck.provenance["pid"] == os.getpid() and ck.provenance["world_size"] == 1
+        assert ck.provenance["torch"] == torch.__version__ and ck.meta == {"mine": 1}  # meta stays the user's
+        store.push(tmp_path / "copy")
+    with cas.open(tmp_path / "s") as store:  # read back from the registry, and from the log alone
+        assert store.get(1).provenance == ck.provenance
+    os.rename(tmp_path / "s" / "index", tmp_path / "index.old")
+    with cas.open(tmp_path / "s") as store:
+        assert store.get(1).provenance == ck.provenance
+    with cas.open(tmp_path / "copy") as copy:
+        assert copy.get(1).provenance == ck.provenance
+    shown = cli("show", "1", path=tmp_path / "s")
+    assert shown.returncode == 0 and f"pid {ck.provenance['pid']}" in shown.stdout and "provenance" in shown.stdout
+    as_json = json.loads(cli("show", "1", "--json", path=tmp_path / "s").stdout)
+    assert as_json["checkpoint"]["provenance"]["host"] == ck.provenance["host"]
+
+
+def test_provenance_names_the_git_commit_and_whether_the_tree_is_dirty(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "train.py").write_text("print('hi')\n")
+    git("add", "train.py")
+    git("-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "first")
+    commit = git("rev-parse", "HEAD").stdout.strip()
+    save = ("import sys, torch, cas\n"
+            "with cas.open(sys.argv[1]) as s: print(s.save({'w': torch.ones(2)}, step=int(sys.argv[2])).step)")
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "s"), "1", "--lr", "3"], cwd=repo, check=True)
+    (repo / "train.py").write_text("print('changed')\n")
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "s"), "2"], cwd=repo, check=True)
+    with cas.open(tmp_path / "s") as store:
+        first, second = store.get(1).provenance, store.get(2).provenance
+    assert first["git"] == {"commit": commit, "dirty": False} and first["argv"][-2:] == ["--lr", "3"]
+    assert second["git"] == {"commit": commit, "dirty": True}
+
+
+def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_path):
+    key, other = ed25519.Ed25519PrivateKey.generate(), ed25519.Ed25519PrivateKey.generate()
+    pub = public_pem(key, tmp_path / "key.pub")
+    with cas.open(tmp_path / "s", signing_key=key) as store:
+        for step in (1, 2, 3):
+            store.save({"w": torch.full((4,), float(step))}, step=step, metrics={"loss": 1.0 / step})
+        store.set_milestone(2)  # flags set later are not what was signed, and do not break it
+        assert store.verify_signatures(key.public_key()) == {}
+        assert set(store.verify_signatures(other.public_key())) == {1, 2, 3}
+    ok = cli("verify", "--signatures", pub, path=tmp_path / "s")
+    assert ok.returncode == 0 and "signatures ok" in ok.stdout, ok.stdout + ok.stderr
+    # a record changed after it was signed (its metrics), and one signed again by another key:
+    # each written as a `replace` entry, as a forger with write access to the store could
+    backend = cas.open(tmp_path / "s").backend
+    log = RecordLog(backend, str(tmp_path / "s"))
+    adds = {c["step"]: c for e in log.entries() for c in e.changes if c["op"] == "add"}
+    forged = dict(adds[1], metrics={"loss": 0.0})
+    from cas.store.signing import sign
+    resigned = dict(adds[3])
+    resigned["signature"] = sign(resigned, other)
+    last = log.read(log.last_seq())
+    for change in (forged, resigned):
+        remove = {"op": "remove", "step": change["step"], "id": change["id"]}
+        last = log.append(last.seq + 1, last.digest, "replace", [remove, change])
+    with cas.open(tmp_path / "s") as store:
+        problems = store.verify_signatures(pub)
+    assert set(problems) == {1, 3} and "changed after it was signed" in problems[1] and "another key" in problems[3]
+    bad = cli("verify", "--signatures", pub, path=tmp_path / "s")
+    assert bad.returncode == 1 and "SIGNATURE: checkpoint 1" in bad.stdout and "checkpoint 3" in bad.stdout
+    assert "checkpoint 2" not in bad.stdout
+
+
+def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):
+    key = ed25519.Ed25519PrivateKey.generate()
+    with cas.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(2)}, step=1)
+        assert store.verify_signatures(key.public_key()) == {1: "not signed"}
+    with pytest.raises(cas.CasError, match="signing key"):
+        cas.open(tmp_path / "s", signing_key=b"too short")
+    garbage = tmp_path / "garbage.pub"
+    garbage.write_bytes(b"not a key at all")
+    out = cli("verify", "--signatures", str(garbage), path=tmp_path / "s")
+    assert out.returncode == 2 and "public key" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):
+    with cas.open(tmp_path / "s") as store:
+        for step in range(5):
+            store.save({"w": torch.full((4,), float(step))}, step=step)
+        store.set_pinned(1)
+        store.set_pinned(1, False)
+        store.set_milestone(2)
+        store.delete([0])
+        store.gc(keep_last=2, keep_milestones=True)
+        entries = store.log()
+    assert [e.why for e in entries][:5] == ["save"] * 5
+    rows = json.loads(cli("log", "--json", path=tmp_path / "s").stdout)
+    whys = [r["why"] for r in rows]
+    assert whys[:4] == ["pin", "unpin", "milestone", "delete"] and len(rows) >= 5, whys
+    removed = [c for r in rows for c in r["changes"] if "removed" in c]
+    assert any("step 0" in c for c in removed) and any("step 1" in c for c in removed)  # rm, then retention
+    assert all(r["user"] and r["host"] and r["time"] for r in rows)
+    text = cli("log", path=tmp_path / "s").stdout
+    assert "pinned=on" in text and "pinned=off" in text and "milestone=on" in text
+    with cas.open(tmp_path / "s") as store:
+        store.gc()
+        assert len(store.log()) == len(entries)  # gc removed nothing of the trail
+    assert len(json.loads(cli("log", "--saves", "--json", path=tmp_path / "s").stdout)) == len(entries)
