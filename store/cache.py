@@ -203,6 +203,8 @@ def catch_up(store, txn, report: RebuildReport) -> bool:
         return False
     try:
         for entry, packs in zip(entries, named):
+            if entry.gc and entry.gc["phase"] == "intent":  # doomed first: the rewrites' copies then win
+                index.doom_packs(txn, entry.gc["packs"], entry.gc["epoch"])
             for pack in packs:
                 if not isinstance(listed[pack], Exception):
                     _index_pack(index, txn, pack, listed[pack])

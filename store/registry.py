@@ -144,7 +144,7 @@ class _Taken(Exception):
     """Another cache created the log entry this one tried to."""
 
 
-def apply_gc(index, txn, seq: int, gc: dict | None) -> None:
+def apply_gc(index, txn, gc: dict | None) -> None:
     """What a gc step of the log means to this host's cache: an intent dooms its packs (writers
     stop relying on their objects) and indexes the packs its rewrites wrote; a delete ends the
     epochs it names (their packs no longer doomed) and drops the records of the packs it
@@ -241,7 +241,7 @@ class Registry:
                     if entry is None:
                         raise _Taken()
                     faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind
-                    apply_gc(self.index, child, seq + 1, gc)
+                    apply_gc(self.index, child, gc)
                     self.set_head(child, entry.seq, entry.digest)
                 return entry.seq
             except _Taken:
@@ -262,7 +262,7 @@ class Registry:
         for entry in entries:
             try:
                 self.apply(txn, entry.seq, list(entry.changes))
-                apply_gc(self.index, txn, entry.seq, entry.gc)
+                apply_gc(self.index, txn, entry.gc)
             except (CheckpointExistsError, CheckpointNotFoundError) as exc:
                 raise CorruptionError(f"record log entry {entry.seq} of the store at {self.store_root} does not "
                                       f"apply: {exc}") from None

@@ -104,6 +104,29 @@ def test_gc_deletes_what_no_checkpoint_needs_and_every_host_keeps_up(s3_url, tmp
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
 
 
+def test_a_rewritten_pack_is_found_again_by_every_host(s3_url, tmp_path):
+    """A pack mostly dead (a big tensor of a removed checkpoint beside a small live one) is
+    rewritten: its live object is copied into a new pack, the old one deleted; a host whose
+    cache still points into the old pack finds the copy, and so does a fresh host."""
+    g = torch.Generator().manual_seed(5)
+    small, big, other = (torch.randn(64, 256, generator=g), torch.randn(256, 1024, generator=g),
+                         torch.randn(64, 256, generator=g))
+    with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "c") as c:
+        a.save({"small": small, "big": big}, step=1)
+        a.save({"small": small, "other": other}, step=2)
+        c.ensure_cache()
+        assert torch.equal(c.load(2)["small"], small)  # c's cache places `small` in step 1's pack
+        report = a.gc(keep_last=1)
+        assert report.deferred is None and report.packs_rewritten == 1, report.to_json()
+        loaded = c.load(2)  # the old pack is gone: c catches up and reads the copy
+        assert torch.equal(loaded["small"], small) and torch.equal(loaded["other"], other)
+        c.save({"small": small, "more": big}, step=3)  # dedups against the copy, writes `big` again
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [2, 3] and fresh.verify().ok
+        assert torch.equal(fresh.load(3)["more"], big)
+    assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
 def test_gc_while_another_host_saves_reusing_what_it_would_delete(s3_url, tmp_path):
     """B claims the objects of checkpoint 1 (reused, not written), then pauses; gc on A removes
     checkpoint 1, logs its intent and waits for B's lease; B commits; gc marks again, keeps the
