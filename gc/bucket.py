@@ -34,7 +34,7 @@ from cas.store.records import gc_step
 from cas.store import snapshots
 
 REWRITE_BELOW = 0.5  # a pack whose live bytes are under this share of it is rewritten
-MAX_ROUNDS = 5  # delete entries retried after other hosts committed meanwhile
+MAX_ROUNDS = 50  # delete entries retried after other hosts committed meanwhile (each round marks only their commits)
 POLL_SECONDS = 0.25
 READ_THREADS = 16
 
