@@ -9,28 +9,31 @@ every byte verified on load). Importing this module imports Lightning; nothing e
     L.Trainer(plugins=[io], ...).fit(model, ckpt_path="last")       # or "best", or a path
     Model.load_from_checkpoint(cas_url("ckpt/epoch=1-step=8.ckpt"))  # no plugin needed
 
-Markers. Lightning decides by the filesystem (it versions a name with -v1 only when the file
-exists, links last.ckpt to a file, finds "last" by listing its folder), so after each save's
-commit the plugin writes a small marker file at the path Lightning named: a zip archive with
-one msgpack member (the store, the step, the checkpoint id; never pickle), whose member name is
-the message torch.load shows when something reads the marker as a torch.save file. Lightning's
-own code then reads the marker only through this plugin or a `cas://` URL (`cas_url(path)`): an
-fsspec protocol (registered by the package's entry point) whose files are the checkpoints
-markers name, served as torch.save streams made from verified data; so
-`Model.load_from_checkpoint` and `Trainer.fit(ckpt_path=...)` work without the plugin.
+Markers. Lightning decides by the filesystem: it versions a name (-v1) only when a file is
+there, links last.ckpt to a file (save_last="link"), finds ckpt_path="last" by listing its
+folder. So after each save's commit the plugin writes a marker at the path Lightning named (a
+local file, or an object where dirpath is another fsspec filesystem): a zip archive of one
+msgpack member (the store, the step, the checkpoint id; never pickle). Lightning code that reads
+the path without the plugin (Model.load_from_checkpoint(path), a Trainer without it) gets
+torch.load's error, which ends with the member's name: what the file is and how to load it.
+Through cas_url(path) (cas://PATH, an fsspec protocol the package registers by entry point) the
+same code reads the checkpoint the marker names, as a torch.save stream made from verified data
+(held in memory while torch.load reads it).
 
 Paths and steps. The store names a checkpoint by a step, Lightning by a path.
 - save_checkpoint stores the dict under its "global_step" and lists the path in the checkpoint's
   meta ("lightning_paths"). A second save of the same run (one Trainer.fit, until teardown) at
   the same global step (ModelCheckpoint's last.ckpt right after "epoch=0-step=50.ckpt")
   replaces that checkpoint in its own commit (dedup makes it nearly free) and keeps the earlier
-  paths naming it. A save at a step that holds another run's checkpoint (a second run into the
-  same dirpath and store) keeps that one and goes to the next free step above the store's
-  latest (meta "lightning_global_step" keeps Lightning's); a save over a path that alone names
-  the checkpoint at its step replaces it, as a file is overwritten.
+  paths naming it. A save over a path that alone names the checkpoint at its step replaces it,
+  as a file is overwritten. Any other checkpoint at the step (one that other paths name, as a
+  second run into the same dirpath and store finds the first run's) stays: the save goes to the
+  next free step above the store's latest, with a warning, and meta "lightning_global_step"
+  keeps Lightning's step.
 - A path names the checkpoint its marker names. A checkpoint stays while some path still names
   it: remove_checkpoint(path) deletes the marker (or Lightning's link) and then the checkpoint
-  if no other marker names it; a pinned checkpoint (a legal hold) always stays.
+  if no other marker names it; a pinned checkpoint (a legal hold) always stays. The store's
+  retention may delete a checkpoint a marker still names: loading that path then says so.
 - load_checkpoint(path) reads the marker at the path (a link Lightning made to one resolves to
   it); a path without one (a store saved before markers, or another host's folder) is found by,
   in order: the newest checkpoint that lists it, the number after "step=" in the file name
@@ -52,6 +55,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import fsspec
+import fsspec.core
+import fsspec.utils
 import msgpack
 import torch
 from fsspec.spec import AbstractFileSystem
@@ -87,28 +92,78 @@ class Marker:
     path: str
 
 
+# --- the files markers are: local paths, or URLs of another fsspec filesystem (s3://...) -------
+def _where(path: str | os.PathLike) -> str:
+    """A marker's place, from a path or a cas:// URL: an absolute local path, or a URL."""
+    path = os.fspath(path)
+    if path.startswith(f"{PROTOCOL}://"):
+        path = path[len(PROTOCOL) + 3:]
+    if fsspec.utils.get_protocol(path) == "file":
+        return os.path.abspath(path.removeprefix("file://"))
+    return path
+
+
+def _remote(path: str) -> tuple[AbstractFileSystem, str] | None:
+    """(the filesystem, its path) of a URL; None for a local path."""
+    return None if fsspec.utils.get_protocol(path) == "file" else fsspec.core.url_to_fs(path)
+
+
+def _read_file(path: str) -> bytes | None:
+    """The first bytes of the file at `path`, up to past a marker's limit; None when absent."""
+    remote = _remote(path)
+    try:
+        with (remote[0].open(remote[1], "rb") if remote else open(path, "rb")) as f:
+            return f.read(_MARKER_LIMIT + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise CasError(f"{path} is a folder, not a cas checkpoint marker") from None
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Readers see all of `data` at `path` or what was there (a local file is renamed into
+    place; an object store's PUT is atomic)."""
+    remote = _remote(path)
+    if remote:
+        remote[0].pipe_file(remote[1], data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fsutil.atomic_write(path, [data])
+
+
+def _remove_file(path: str) -> None:
+    remote = _remote(path)
+    if remote is None:
+        fsutil.unlink_quietly(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        remote[0].rm_file(remote[1])
+
+
+def _modified(path: str) -> datetime.datetime:
+    remote = _remote(path)
+    if remote:
+        return remote[0].modified(remote[1])
+    return datetime.datetime.fromtimestamp(os.path.getmtime(path), tz=datetime.timezone.utc)
+
+
 def write_marker(path: str, store: CheckpointStore, ck: Checkpoint) -> None:
-    """Put the marker of `ck` at `path` atomically (replacing what is there: a save at a path
-    overwrites it, as Lightning expects of a file)."""
+    """Put the marker of `ck` at `path` (replacing what is there: a save at a path overwrites
+    it, as Lightning expects of a file)."""
     body = msgpack.packb({"format": MARKER_FORMAT, "store": store.path, "step": ck.step, "id": ck.id,
                           "path": path}, use_bin_type=True)
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr(zipfile.ZipInfo(MARKER_MEMBER, date_time=(1980, 1, 1, 0, 0, 0)), body)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fsutil.atomic_write(path, [buffer.getvalue()])
+    _write_file(path, buffer.getvalue())
 
 
 def read_marker(path: str) -> Marker | None:
     """The marker at `path` (a link followed), or None when nothing is there; CasError for a
     file that is not one (a torch.save file, say)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_MARKER_LIMIT + 1)
-    except (FileNotFoundError, NotADirectoryError):
+    data = _read_file(path)
+    if data is None:
         return None
-    except IsADirectoryError:
-        raise CasError(f"{path} is a folder, not a cas checkpoint marker") from None
     try:
         if len(data) > _MARKER_LIMIT:
             raise ValueError("larger than any marker")
@@ -162,7 +217,7 @@ def load_marked(path: str | os.PathLike, *, store: CheckpointStore | None = None
                 device: str | torch.device | None = None) -> dict:
     """The checkpoint dict the marker at `path` names, every byte verified (read from `store`
     when the marker names it, else from the store it names, opened read-only)."""
-    path = _local(path)
+    path = _where(path)
     marker = read_marker(path)
     if marker is None:
         raise FileNotFoundError(f"no cas checkpoint marker at {path}")
@@ -177,15 +232,7 @@ def _load(marker: Marker, where: str, store: CheckpointStore | None, device) -> 
 def cas_url(path: str | os.PathLike) -> str:
     """The `cas://` URL of a marker path, for Lightning code that reads through fsspec without
     the plugin: Model.load_from_checkpoint(cas_url(path)), Trainer.fit(ckpt_path=cas_url(path))."""
-    return f"{PROTOCOL}://{os.path.abspath(os.fspath(path))}"
-
-
-def _local(path: str | os.PathLike) -> str:
-    """A marker path as an absolute local path, from a path or a cas:// URL."""
-    path = os.fspath(path)
-    if path.startswith(f"{PROTOCOL}://"):
-        path = path[len(PROTOCOL) + 3:]
-    return os.path.abspath(path)
+    return f"{PROTOCOL}://{_where(path)}"
 
 
 class CasFileSystem(AbstractFileSystem):
@@ -196,7 +243,7 @@ class CasFileSystem(AbstractFileSystem):
     root_marker = ""
 
     def info(self, path, **kwargs) -> dict:
-        path = _local(self._strip_protocol(path))
+        path = _where(self._strip_protocol(path))
         if read_marker(path) is None:
             raise FileNotFoundError(f"no cas checkpoint marker at {path}")
         return {"name": path, "size": None, "type": "file"}
@@ -206,8 +253,7 @@ class CasFileSystem(AbstractFileSystem):
         return [info] if detail else [info["name"]]
 
     def modified(self, path) -> datetime.datetime:
-        mtime = os.path.getmtime(_local(self._strip_protocol(path)))
-        return datetime.datetime.fromtimestamp(mtime, tz=datetime.timezone.utc)
+        return _modified(_where(self._strip_protocol(path)))
 
     def _open(self, path, mode="rb", **kwargs):
         if mode != "rb":
@@ -240,7 +286,7 @@ class CasCheckpointIO(CheckpointIO):
         global_step = checkpoint.get("global_step")
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
-        path = _local(path)
+        path = _where(path)
         cks = self.store.checkpoints()
         previous = self._named(path, cks)
         step, kept = self._place(global_step, path, cks)
@@ -255,19 +301,19 @@ class CasCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """The checkpoint dict stored for `path`; tensors on CPU unless map_location is a device."""
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        local = _local(path)
-        marker = read_marker(local)
+        where = _where(path)
+        marker = read_marker(where)
         if marker is not None:
-            return _load(marker, local, self.store, device)
+            return _load(marker, where, self.store, device)
         return self.store.load(self.step_for(path), device=device)
 
     def remove_checkpoint(self, path) -> None:
         """Delete the marker at `path` (or Lightning's link there), then the checkpoint it named
         if no other marker names it. Any other file there is left alone."""
-        path = _local(path)
+        path = _where(path)
         ck = self._named(path, self.store.checkpoints())
         if os.path.islink(path) or _is_marker(path):
-            fsutil.unlink_quietly(path)
+            _remove_file(path)
         if ck is not None:
             self._delete_if_unnamed(ck)
 
@@ -293,9 +339,12 @@ class CasCheckpointIO(CheckpointIO):
 
     def step_for(self, path) -> int:
         """The step a Lightning path names (rules in the module docstring)."""
-        local = _local(path)
+        local = _where(path)
         marker = read_marker(local)
         if marker is not None:
+            if marker.store != self.store.path:
+                raise CasError(f"the marker {local} names a checkpoint of the store at {marker.store}, not of this "
+                               f"plugin's store at {self.store.path}")
             return marker.step
         cks = self.store.checkpoints()
         given = os.fspath(path)
@@ -321,7 +370,7 @@ class CasCheckpointIO(CheckpointIO):
 
     def _live_paths(self, ck: Checkpoint) -> list[str]:
         """The paths that still name `ck`: listed by it, their markers naming it."""
-        return [p for p in _paths(ck) if (named := self._named(p, [ck])) is not None]
+        return [p for p in _paths(ck) if self._named(p, [ck]) is not None]
 
     def _place(self, global_step: int, path: str, cks: list[Checkpoint]) -> tuple[int, list[str]]:
         """(the store step this save goes to, the paths that keep naming it). This run's earlier
@@ -330,7 +379,7 @@ class CasCheckpointIO(CheckpointIO):
         the step stays, and this save takes the next free step."""
         by_step = {ck.step: ck for ck in cks}
         ours = by_step.get(self._run.get(global_step, -1))
-        if ours is not None and not ours.pinned:
+        if ours is not None and ours.meta.get(GLOBAL_STEP_META) == global_step and not ours.pinned:
             return ours.step, [p for p in self._live_paths(ours) if p != path]
         there = by_step.get(global_step)
         if there is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from importlib.metadata import entry_points
 
 import pytest
@@ -189,6 +190,27 @@ def test_a_fresh_process_reads_cas_urls_through_the_entry_point(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[[0.0,", "1.0,", "2.0],", "[3.0,", "4.0,", "5.0]]", "3", "True"]
+
+
+def test_markers_live_where_the_dirpath_is_another_fsspec_filesystem(tmp_path):
+    """A dirpath in a bucket (here fsspec's memory://, real fsspec code): Lightning checks and
+    lists it through fsspec, so the markers are written there too."""
+    import fsspec
+
+    dirpath = f"memory://{tmp_path.name}/ckpt"
+    try:
+        for seed in (0, 1):
+            io = CasCheckpointIO(tmp_path / "store")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # the second run's "holds another checkpoint"
+                model = fitted(seed, 2, io, dirpath=dirpath, save_top_k=-1, save_last=True)
+            io.close()
+        names = sorted(os.path.basename(p) for p in fsspec.filesystem("memory").ls(dirpath, detail=False))
+        assert names == ["epoch=0-step=4-v1.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=8-v1.ckpt",
+                         "epoch=1-step=8.ckpt", "last-v1.ckpt", "last.ckpt"]
+        assert_same(Tiny.load_from_checkpoint(cas_url(f"{dirpath}/last-v1.ckpt")).state_dict(), weights(model))
+    finally:
+        fsspec.filesystem("memory").rm(f"memory://{tmp_path.name}", recursive=True)
 
 
 def test_storage_options_are_refused_as_lightnings_own_plugins_refuse_them(tmp_path):
