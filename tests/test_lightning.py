@@ -161,6 +161,7 @@ def test_lightning_loads_a_marker_without_the_plugin_through_its_cas_url(tmp_pat
 
     loaded = Tiny.load_from_checkpoint(cas_url(ckpt / "last.ckpt"))
     assert_same(loaded.state_dict(), weights(model))
+    assert_same(io.load_checkpoint(cas_url(ckpt / "last.ckpt"))["state_dict"], weights(model))  # the plugin too
     assert loaded.hparams.lr == 0.05
     resumed = fitted(1, 3, ckpt_path=cas_url(ckpt / "epoch=1-step=8.ckpt"))  # a Trainer without the plugin
     assert resumed.losses == full.losses[-4:]
@@ -177,7 +178,7 @@ def test_lightning_loads_a_marker_without_the_plugin_through_its_cas_url(tmp_pat
 def test_a_fresh_process_reads_cas_urls_through_the_entry_point(tmp_path):
     """The package's fsspec entry point: a process that never imports cas reads cas:// files."""
     assert any(ep.name == "cas" and ep.value == "cas.store.lightning:CasFileSystem"
-               for ep in entry_points(group="fsspec.specs"))
+               for ep in entry_points(group="fsspec.specs")), "reinstall the package (pip install -e .)"
     io = CasCheckpointIO(tmp_path / "store")
     w = torch.arange(6.0).reshape(2, 3)
     io.save_checkpoint({"global_step": 3, "state_dict": {"w": w}}, tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
