@@ -178,8 +178,9 @@ def read_marker(path: str) -> Marker | None:
         if not (isinstance(marker.store, str) and type(marker.step) is int and isinstance(marker.id, str)
                 and isinstance(marker.path, str)):
             raise ValueError("fields of the wrong types")
+    # EOFError, NotImplementedError, RuntimeError: zipfile's for a truncated, compressed or encrypted member
     except (zipfile.BadZipFile, ValueError, KeyError, TypeError, EOFError, NotImplementedError, RuntimeError,
-            msgpack.UnpackException) as exc:  # the last three: a compressed, truncated or encrypted member
+            msgpack.UnpackException) as exc:
         why = ("not a zip archive" if isinstance(exc, zipfile.BadZipFile)
                else f"no field {exc}" if isinstance(exc, KeyError) else str(exc))
         raise CasError(f"{path} is not a cas checkpoint marker ({why}); CasCheckpointIO loads only checkpoints "
