@@ -9,15 +9,19 @@ else in cas does.
     resume(trainer, "runs/exp1/ckpt")          # the latest checkpoint; step=N for another
 
 On each save event CasCallback stores the model, optimizer, scheduler, RNG states and the
-TrainerState as checkpoint `state.global_step`. `resume` writes that checkpoint as the folder
-Trainer.train(resume_from_checkpoint=...) reads, in a temporary folder, and trains from it, so
-the Trainer's own resume logic (data skipping, RNG, schedules) runs unchanged.
+TrainerState as checkpoint `state.global_step`. A checkpoint already at that step (a run resumed
+from an earlier step saves those steps again) is replaced in the new one's commit, as the Trainer
+overwrites its checkpoint-N folder; a save that fails leaves it, and a pinned one (a legal hold)
+is refused. `resume` writes a checkpoint as the folder Trainer.train(resume_from_checkpoint=...)
+reads, in a temporary folder, and trains from it, so the Trainer's own resume logic (data
+skipping, RNG, schedules) runs unchanged.
 
 The Trainer still writes its checkpoint-N folders; keep_folders=False removes each one once the
 store holds it. The store's retention (cas.open(path, retention=Retention(keep_last=3))), not
 save_total_limit, decides which stored checkpoints stay. A store opens once per process: to
-resume in the process that trained, pass the callback's open store (callback.store). Single process (or data parallel, saved by the main process) only: FSDP and
-DeepSpeed shard state that this callback does not gather, and a GradScaler is not saved.
+resume in the process that trained, pass the callback's open store (callback.store). Single
+process (or data parallel, saved by the main process) only: FSDP and DeepSpeed shard state that
+this callback does not gather, and a GradScaler is not saved.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class CasCallback(TrainerCallback):
             raise CasError("the Trainer passed no model or optimizer to on_save; cannot store the checkpoint")
         self.store.save({"model": model, "optimizer": optimizer, "scheduler": lr_scheduler, "rng": rng_state(),
                          "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)},
-                        step=state.global_step, metrics=_metrics(state))
+                        step=state.global_step, metrics=_metrics(state), replace=True)
         if not self.keep_folders:
             shutil.rmtree(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
                           ignore_errors=True)

@@ -1,50 +1,272 @@
 """PyTorch Lightning: keep a Trainer's checkpoints in a cas store (incremental, deduplicated,
 every byte verified on load). Importing this module imports Lightning; nothing else in cas does.
 
-    from cas.store.lightning import CasCheckpointIO
+    from cas.store.lightning import CasCheckpointIO, cas_url
     io = CasCheckpointIO("runs/exp1/ckpt")
     trainer = L.Trainer(plugins=[io], callbacks=[ModelCheckpoint(dirpath="ckpt")])
     trainer.fit(model)
     # later, in a fresh process:
-    L.Trainer(plugins=[io], ...).fit(model, ckpt_path=io.latest_path())
+    L.Trainer(plugins=[io], ...).fit(model, ckpt_path="last")       # or "best", or a path
+    Model.load_from_checkpoint(cas_url("ckpt/epoch=1-step=8.ckpt"))  # no plugin needed
 
-Paths and steps. Lightning names a checkpoint by a path (a file it would write); the store
-names it by a step. Nothing is written at the paths themselves.
-- save_checkpoint stores the checkpoint dict under its "global_step" and lists the path in the
-  checkpoint's meta ("lightning_paths"). A second save at a step already stored
-  (ModelCheckpoint's "last.ckpt" right after "epoch=0-step=50.ckpt") replaces that step's
-  checkpoint (dedup makes it nearly free) and adds its path to the list.
-- A path names the newest checkpoint that lists it, like a file that each save overwrites. A
-  checkpoint stays while some path still names it: remove_checkpoint(path), or a save that moves
-  the path on to a newer step (last.ckpt), deletes a checkpoint that no other path names.
-- load_checkpoint(path) finds the step by, in order: the checkpoint the path names; the number
-  after "step=" in the file name (Lightning's default names; path_for(step) makes one); a name
-  that starts with "last" means the latest checkpoint.
-- ckpt_path="best" works (Lightning passes the callback's best_model_path to this plugin);
-  ckpt_path="last" does not, because Lightning resolves it by looking for files: pass
-  io.latest_path() instead.
-Removals are remembered by this plugin object only; a process that resumes learns them again
-from ModelCheckpoint's restored state when it rotates its checkpoints.
+Markers. Lightning decides by the filesystem: it versions a name (-v1) only when a file is
+there, links last.ckpt to a file (save_last="link"), finds ckpt_path="last" by listing its
+folder. So after each save's commit the plugin writes a marker at the path Lightning named (a
+local file, or an object where dirpath is another fsspec filesystem): a zip archive of one
+msgpack member (the store, the step, the checkpoint id; never pickle). Lightning code that reads
+the path without the plugin (Model.load_from_checkpoint(path), a Trainer without it) gets
+torch.load's error, which ends with the member's name: what the file is and how to load it.
+Through cas_url(path) (cas://PATH, an fsspec protocol the package registers by entry point) the
+same code reads the checkpoint the marker names, as a torch.save stream made from verified data
+(held in memory while torch.load reads it).
+
+Paths and steps. The store names a checkpoint by a step, Lightning by a path.
+- save_checkpoint stores the dict under its "global_step" and lists the path in the checkpoint's
+  meta ("lightning_paths"). A second save of the same run (one Trainer.fit, until teardown) at
+  the same global step (ModelCheckpoint's last.ckpt right after "epoch=0-step=50.ckpt")
+  replaces that checkpoint in its own commit (dedup makes it nearly free) and keeps the earlier
+  paths naming it. A save over a path that alone names the checkpoint at its step replaces it,
+  as a file is overwritten. Any other checkpoint at the step (one that other paths name, as a
+  second run into the same dirpath and store finds the first run's) stays: the save goes to the
+  next free step above the store's latest, with a warning, and meta "lightning_global_step"
+  keeps Lightning's step.
+- A path names the checkpoint its marker names. A checkpoint stays while some path still names
+  it: remove_checkpoint(path) deletes the marker (or Lightning's link) and then the checkpoint
+  if no other marker names it; a pinned checkpoint (a legal hold) always stays. The store's
+  retention may delete a checkpoint a marker still names: loading that path then says so.
+- load_checkpoint(path) reads the marker at the path (a link Lightning made to one resolves to
+  it); a path without one (a store saved before markers, or another host's folder) is found by,
+  in order: the newest checkpoint that lists it, the number after "step=" in the file name
+  (path_for(step) makes one), a name that starts with "last" (the latest checkpoint).
+- ckpt_path="best" and "last" work: Lightning finds them among the markers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import io
 import os
 import re
+import warnings
+import zipfile
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
+import fsspec
+import fsspec.core
+import fsspec.utils
+import msgpack
 import torch
+from fsspec.spec import AbstractFileSystem
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from cas.errors import CheckpointNotFoundError
+from cas import fsutil
+from cas.errors import CasError, CheckpointNotFoundError
 
-from .registry import Checkpoint, exists_error
-from .opening import given_or_opened
+from .opening import given_or_opened, open_path
+from .registry import Checkpoint
 from .store import CheckpointStore
 
 PATHS_META = "lightning_paths"
+GLOBAL_STEP_META = "lightning_global_step"
+PROTOCOL = "cas"
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+# The marker's only member. torch.load's error on a marker ends with this name (a zip member not
+# in a folder), so it says what the file is and how to load it; a name cannot hold a "/".
+MARKER_MEMBER = ("cas checkpoint marker, not a torch.save file: load it through cas.store.lightning "
+                 "(the CasCheckpointIO plugin, or the URL cas_url(path) gives)")
+MARKER_FORMAT = 1
+_MARKER_LIMIT = 64 << 10  # a marker is a few hundred bytes; a larger file is something else
+
+
+@dataclass(frozen=True)
+class Marker:
+    """What a marker file says: checkpoint `id` at `step` of the store at `store`, saved at `path`."""
+
+    store: str
+    step: int
+    id: str
+    path: str
+
+
+# --- the files markers are: local paths, or URLs of another fsspec filesystem (s3://...) -------
+def _where(path: str | os.PathLike) -> str:
+    """A marker's place, from a path or a cas:// URL: an absolute local path, or a URL."""
+    path = os.fspath(path)
+    if path.startswith(f"{PROTOCOL}://"):
+        path = path[len(PROTOCOL) + 3:]
+    if fsspec.utils.get_protocol(path) == "file":
+        return os.path.abspath(path.removeprefix("file://"))
+    return path
+
+
+def _remote(path: str) -> tuple[AbstractFileSystem, str] | None:
+    """(the filesystem, its path) of a URL; None for a local path."""
+    return None if fsspec.utils.get_protocol(path) == "file" else fsspec.core.url_to_fs(path)
+
+
+def _read_file(path: str) -> bytes | None:
+    """The first bytes of the file at `path`, up to past a marker's limit; None when absent."""
+    remote = _remote(path)
+    try:
+        with (remote[0].open(remote[1], "rb") if remote else open(path, "rb")) as f:
+            return f.read(_MARKER_LIMIT + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise CasError(f"{path} is a folder, not a cas checkpoint marker") from None
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Readers see all of `data` at `path` or what was there (a local file is renamed into
+    place; an object store's PUT is atomic)."""
+    remote = _remote(path)
+    if remote:
+        remote[0].pipe_file(remote[1], data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fsutil.atomic_write(path, [data])
+
+
+def _remove_file(path: str) -> None:
+    remote = _remote(path)
+    if remote is None:
+        fsutil.unlink_quietly(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        remote[0].rm_file(remote[1])
+
+
+def _modified(path: str) -> datetime.datetime:
+    remote = _remote(path)
+    if remote:
+        return remote[0].modified(remote[1])
+    return datetime.datetime.fromtimestamp(os.path.getmtime(path), tz=datetime.timezone.utc)
+
+
+def write_marker(path: str, store: CheckpointStore, ck: Checkpoint) -> None:
+    """Put the marker of `ck` at `path` (replacing what is there: a save at a path overwrites
+    it, as Lightning expects of a file)."""
+    body = msgpack.packb({"format": MARKER_FORMAT, "store": store.path, "step": ck.step, "id": ck.id,
+                          "path": path}, use_bin_type=True)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(zipfile.ZipInfo(MARKER_MEMBER, date_time=(1980, 1, 1, 0, 0, 0)), body)
+    _write_file(path, buffer.getvalue())
+
+
+def read_marker(path: str) -> Marker | None:
+    """The marker at `path` (a link followed), or None when nothing is there; CasError for a
+    file that is not one (a torch.save file, say)."""
+    data = _read_file(path)
+    if data is None:
+        return None
+    try:
+        if len(data) > _MARKER_LIMIT:
+            raise ValueError("larger than any marker")
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            if archive.namelist() != [MARKER_MEMBER]:
+                raise ValueError("an archive of other files")
+            fields = msgpack.unpackb(archive.read(MARKER_MEMBER), raw=False)
+        if not isinstance(fields, dict) or fields.get("format") != MARKER_FORMAT:
+            raise ValueError(f"marker format {fields.get('format') if isinstance(fields, dict) else None!r}, "
+                             f"not {MARKER_FORMAT}")
+        marker = Marker(fields["store"], fields["step"], fields["id"], fields["path"])
+        if not (isinstance(marker.store, str) and type(marker.step) is int and isinstance(marker.id, str)
+                and isinstance(marker.path, str)):
+            raise ValueError("fields of the wrong types")
+    # EOFError, NotImplementedError, RuntimeError: zipfile's for a truncated, compressed or encrypted member
+    except (zipfile.BadZipFile, ValueError, KeyError, TypeError, EOFError, NotImplementedError, RuntimeError,
+            msgpack.UnpackException) as exc:
+        why = ("not a zip archive" if isinstance(exc, zipfile.BadZipFile)
+               else f"no field {exc}" if isinstance(exc, KeyError) else str(exc))
+        raise CasError(f"{path} is not a cas checkpoint marker ({why}); CasCheckpointIO loads only checkpoints "
+                       "of its store (`cas import` brings a torch.save file into one)") from None
+    return marker
+
+
+def marked_checkpoint(store: CheckpointStore, marker: Marker, where: str) -> Checkpoint:
+    """The checkpoint `marker` (read at `where`) names, still in `store`: the one with its id,
+    or one that replaced it at its step and lists its path (a same-step save of its run)."""
+    try:
+        ck = store.get(marker.step)
+    except CheckpointNotFoundError:
+        ck = None
+    if ck is None or (ck.id != marker.id and marker.path not in _paths(ck)):
+        raise CheckpointNotFoundError(
+            f"the marker {where} names checkpoint {marker.id[:12]} at step {marker.step} of the store at "
+            f"{marker.store}, which no longer holds it (deleted, by retention or `cas rm`, or replaced)")
+    return ck
+
+
+@contextlib.contextmanager
+def _store_of(marker: Marker, opened: CheckpointStore | None) -> Iterator[CheckpointStore]:
+    """The store a marker names: `opened` when it is that one, else opened read-only here."""
+    if opened is not None and opened.path == marker.store:
+        yield opened
+        return
+    store = open_path(marker.store, create=False, readonly=True)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def load_marked(path: str | os.PathLike, *, store: CheckpointStore | None = None,
+                device: str | torch.device | None = None) -> dict:
+    """The checkpoint dict the marker at `path` names, every byte verified (read from `store`
+    when the marker names it, else from the store it names, opened read-only)."""
+    path = _where(path)
+    marker = read_marker(path)
+    if marker is None:
+        raise FileNotFoundError(f"no cas checkpoint marker at {path}")
+    return _load(marker, path, store, device)
+
+
+def _load(marker: Marker, where: str, store: CheckpointStore | None, device) -> dict:
+    with _store_of(marker, store) as source:
+        return source.load(marked_checkpoint(source, marker, where).step, device=device)
+
+
+def cas_url(path: str | os.PathLike) -> str:
+    """The `cas://` URL of a marker path, for Lightning code that reads through fsspec without
+    the plugin: Model.load_from_checkpoint(cas_url(path)), Trainer.fit(ckpt_path=cas_url(path))."""
+    return f"{PROTOCOL}://{_where(path)}"
+
+
+class CasFileSystem(AbstractFileSystem):
+    """fsspec's `cas://` protocol: the file at cas://PATH is the checkpoint the marker at PATH
+    names, as a torch.save stream (built in memory from verified data; read-only)."""
+
+    protocol = PROTOCOL
+    root_marker = ""
+
+    def info(self, path, **kwargs) -> dict:
+        path = _where(self._strip_protocol(path))
+        if read_marker(path) is None:
+            raise FileNotFoundError(f"no cas checkpoint marker at {path}")
+        return {"name": path, "size": None, "type": "file"}
+
+    def ls(self, path, detail=True, **kwargs):
+        info = self.info(path)
+        return [info] if detail else [info["name"]]
+
+    def modified(self, path) -> datetime.datetime:
+        return _modified(_where(self._strip_protocol(path)))
+
+    def _open(self, path, mode="rb", **kwargs):
+        if mode != "rb":
+            raise PermissionError(f"cas:// files are read-only (asked to open {path} with mode {mode!r})")
+        stream = io.BytesIO()
+        torch.save(load_marked(self._strip_protocol(path)), stream)
+        stream.seek(0)
+        return stream
+
+
+fsspec.register_implementation(PROTOCOL, CasFileSystem, clobber=True)  # the entry point, for this process
 
 
 class CasCheckpointIO(CheckpointIO):
@@ -55,33 +277,52 @@ class CasCheckpointIO(CheckpointIO):
         """`store` is an open store (cas.open(...), whose retention then applies too) or a path
         to open one at, with cas.open's `options` (retention= included)."""
         self.store, _ = given_or_opened(store, **options)
-        self._removed: set[str] = set()
+        self._run: dict[int, int] = {}  # this run's saves: Lightning's global step -> the store's step
 
     # --- CheckpointIO ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        step = checkpoint.get("global_step")
-        if type(step) is not int:
-            raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {step!r}")
-        path = os.fspath(path)
+        if storage_options is not None:
+            raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not "
+                            f"supported for `{type(self).__name__}`: it saves into its cas store, opened with the "
+                            "options given to it")
+        global_step = checkpoint.get("global_step")
+        if type(global_step) is not int:
+            raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
+        path = _where(path)
         cks = self.store.checkpoints()
         previous = self._named(path, cks)
-        paths = [p for p in self._names_to_keep(step, cks) if p != path] + [path]
-        self.store.save(_plain(checkpoint), step=step, meta={PATHS_META: paths}, replace=True)
-        self._removed.discard(path)
+        step, kept = self._place(global_step, path, cks)
+        ck = self.store.save(_plain(checkpoint), step=step, replace=True,
+                             meta={PATHS_META: kept + [path], GLOBAL_STEP_META: global_step})
+        self._run[global_step] = step
+        for named in kept + [path]:  # after the commit: a marker never names what is not there
+            write_marker(named, self.store, ck)
         if previous is not None and previous.step != step:
             self._delete_if_unnamed(previous)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """The checkpoint dict stored for `path`; tensors on CPU unless map_location is a device."""
         device = map_location if isinstance(map_location, (str, torch.device)) else None
+        where = _where(path)
+        marker = read_marker(where)
+        if marker is not None:
+            return _load(marker, where, self.store, device)
         return self.store.load(self.step_for(path), device=device)
 
     def remove_checkpoint(self, path) -> None:
-        path = os.fspath(path)
+        """Delete the marker at `path` (or Lightning's link there), then the checkpoint it named
+        if no other marker names it. Any other file there is left alone."""
+        path = _where(path)
         ck = self._named(path, self.store.checkpoints())
-        self._removed.add(path)
+        if os.path.islink(path) or _is_marker(path):
+            _remove_file(path)
         if ck is not None:
             self._delete_if_unnamed(ck)
+
+    def teardown(self) -> None:
+        """The run ended (Lightning calls this after fit): a later save at one of its steps is
+        another run's."""
+        self._run.clear()
 
     # --- paths and steps ------------------------------------------------------------------
     @staticmethod
@@ -90,57 +331,95 @@ class CasCheckpointIO(CheckpointIO):
         return f"step={step}.ckpt"
 
     def latest_path(self) -> str:
-        """A path to the latest checkpoint, for ckpt_path= when resuming."""
+        """A path to the latest checkpoint, for ckpt_path= when resuming: one of its markers,
+        else path_for(its step)."""
         ck = self.store.latest()
         if ck is None:
             raise CheckpointNotFoundError(f"the store at {self.store.path} holds no checkpoint to resume from")
-        return self.path_for(ck.step)
+        live = self._live_paths(ck)
+        return live[-1] if live else self.path_for(ck.step)
 
     def step_for(self, path) -> int:
         """The step a Lightning path names (rules in the module docstring)."""
-        path = os.fspath(path)
-        ck = self._named(path, self.store.checkpoints())
-        if ck is not None:
-            return ck.step
-        name = os.path.basename(path)
+        local = _where(path)
+        marker = read_marker(local)
+        if marker is not None:
+            if marker.store != self.store.path:
+                raise CasError(f"the marker {local} names a checkpoint of the store at {marker.store}, not of this "
+                               f"plugin's store at {self.store.path}")
+            return marker.step
+        cks = self.store.checkpoints()
+        given = os.fspath(path)
+        listing = [ck for ck in cks if local in _paths(ck) or given in _paths(ck)]
+        if listing:
+            return max(listing, key=lambda ck: (ck.seq, ck.step)).step  # commit order, never a clock
+        name = os.path.basename(local)
         found = _STEP_IN_NAME.findall(name)
         if found:
             return int(found[-1])
         latest = self.store.latest() if name.startswith("last") else None
         if latest is not None:
             return latest.step
-        raise CheckpointNotFoundError(f"no checkpoint in the store at {self.store.path} for the path {path!r}: no "
-                                      "checkpoint was saved under it, and its name has no 'step=N'")
+        raise CheckpointNotFoundError(f"no checkpoint in the store at {self.store.path} for the path {given!r}: no "
+                                      "marker is there, no checkpoint was saved under it, and its name has no 'step=N'")
 
     def _named(self, path: str, cks: list[Checkpoint]) -> Checkpoint | None:
-        """The newest checkpoint that lists `path`, unless this plugin removed the path."""
-        if path in self._removed:
+        """The checkpoint of this store the marker at `path` names, if any."""
+        marker = _marker_or_none(path)
+        if marker is None or marker.store != self.store.path:
             return None
-        listing = [ck for ck in cks if path in _paths(ck)]
-        return max(listing, key=lambda ck: (ck.seq, ck.step)) if listing else None  # commit order, never a clock
+        return next((ck for ck in cks if ck.step == marker.step and _names(marker, ck)), None)
 
-    def _live_paths(self, ck: Checkpoint, cks: list[Checkpoint]) -> list[str]:
-        """The paths that still name `ck`: listed by it, not moved on, not removed."""
-        return [p for p in _paths(ck) if (named := self._named(p, cks)) is not None and named.step == ck.step]
+    def _live_paths(self, ck: Checkpoint) -> list[str]:
+        """The paths that still name `ck`: listed by it, their markers naming it."""
+        return [p for p in _paths(ck) if self._named(p, [ck]) is not None]
 
-    def _names_to_keep(self, step: int, cks: list[Checkpoint]) -> list[str]:
-        """The paths that name the checkpoint at `step`, if any: the new save replaces it in
-        its commit (save(replace=True): a save that fails leaves it). Only a checkpoint this plugin
-        saved is replaced."""
-        old = next((ck for ck in cks if ck.step == step), None)
-        if old is None:
-            return []
-        if PATHS_META not in old.meta:
-            raise exists_error(step)
-        return self._live_paths(old, cks)
+    def _place(self, global_step: int, path: str, cks: list[Checkpoint]) -> tuple[int, list[str]]:
+        """(the store step this save goes to, the paths that keep naming it). This run's earlier
+        save at the same global step is replaced in the commit (a save that fails leaves it); so
+        is a checkpoint only `path` itself names (an overwritten file). Any other checkpoint at
+        the step stays, and this save takes the next free step."""
+        by_step = {ck.step: ck for ck in cks}
+        ours = by_step.get(self._run.get(global_step, -1))
+        if ours is not None and ours.meta.get(GLOBAL_STEP_META) == global_step and not ours.pinned:
+            return ours.step, [p for p in self._live_paths(ours) if p != path]
+        there = by_step.get(global_step)
+        if there is None:
+            return global_step, []
+        if not there.pinned and self._live_paths(there) == [path]:
+            return global_step, []
+        step = max(by_step) + 1
+        names = ", ".join(self._live_paths(there)) or "no path"
+        warnings.warn(f"step {global_step} of the store at {self.store.path} holds another checkpoint (named by "
+                      f"{names}); this save of {path} is kept beside it as step {step}", stacklevel=3)
+        return step, []
 
     def _delete_if_unnamed(self, ck: Checkpoint) -> None:
-        """Forget `ck` once no path names it; a pinned checkpoint (a legal hold) always stays."""
-        if not ck.pinned and not self._live_paths(ck, self.store.checkpoints()):
-            self.store.delete(ck.step)
+        """Forget `ck` once no marker names it; a pinned checkpoint (a legal hold) always stays."""
+        current = next((c for c in self.store.checkpoints() if c.step == ck.step and c.id == ck.id), None)
+        if current is not None and not current.pinned and not self._live_paths(current):
+            self.store.delete(current.step)
 
     def close(self) -> None:
         self.store.close()
+
+
+def _marker_or_none(path: str) -> Marker | None:
+    """The marker at `path`; None for nothing or some other file there (which names nothing)."""
+    try:
+        return read_marker(path)
+    except CasError:
+        return None
+
+
+def _is_marker(path: str) -> bool:
+    return _marker_or_none(path) is not None
+
+
+def _names(marker: Marker, ck: Checkpoint) -> bool:
+    """Whether `marker` names `ck`: its id, or its step and a path `ck` lists (a same-step save
+    of the run replaced the checkpoint before its marker was rewritten)."""
+    return marker.step == ck.step and (marker.id == ck.id or marker.path in _paths(ck))
 
 
 def _paths(ck: Checkpoint) -> list[str]:

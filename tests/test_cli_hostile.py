@@ -128,13 +128,14 @@ def test_lightning_failed_resave_at_the_same_step_keeps_the_old_checkpoint(tmp_p
     from cas.store.lightning import CasCheckpointIO
 
     io = CasCheckpointIO(tmp_path / "s")
+    d = tmp_path / "ckpt"  # the plugin writes a marker at each path
     try:
-        io.save_checkpoint({"global_step": 50, "state_dict": {"w": torch.ones(3)}}, "ckpt/epoch=0-step=50.ckpt")
+        io.save_checkpoint({"global_step": 50, "state_dict": {"w": torch.ones(3)}}, d / "epoch=0-step=50.ckpt")
         with pytest.raises(TypeError):  # ModelCheckpoint's last.ckpt at the same step, with a bad value
             io.save_checkpoint({"global_step": 50, "state_dict": {"w": torch.ones(3)}, "bad": object()},
-                               "ckpt/last.ckpt")
+                               d / "last.ckpt")
         assert [ck.step for ck in io.store.checkpoints()] == [50]  # the old one stays
-        assert torch.equal(io.load_checkpoint("ckpt/epoch=0-step=50.ckpt")["state_dict"]["w"], torch.ones(3))
+        assert torch.equal(io.load_checkpoint(d / "epoch=0-step=50.ckpt")["state_dict"]["w"], torch.ones(3))
     finally:
         io.close()
 

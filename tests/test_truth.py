@@ -402,13 +402,13 @@ def test_lightning_last_is_the_most_recent_save_whatever_the_clocks(tmp_path, mo
     from cas.store import store as store_module
     path = str(tmp_path / "s")
     first = lt.CasCheckpointIO(path)
-    first.save_checkpoint({"w": torch.ones(3), "global_step": 1}, "ckpts/last.ckpt")
+    first.save_checkpoint({"w": torch.ones(3), "global_step": 1}, tmp_path / "ckpts" / "last.ckpt")
     first.teardown()
     real = _time.time
     monkeypatch.setattr(store_module.time, "time", lambda: real() - 60)  # this host's clock is behind
     second = lt.CasCheckpointIO(path)
-    second.save_checkpoint({"w": torch.full((3,), 2.0), "global_step": 2}, "ckpts/last.ckpt")
-    loaded = second.load_checkpoint("ckpts/last.ckpt")
+    second.save_checkpoint({"w": torch.full((3,), 2.0), "global_step": 2}, tmp_path / "ckpts" / "last.ckpt")
+    loaded = second.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
     second.teardown()
     assert torch.equal(loaded["w"], torch.full((3,), 2.0))
 

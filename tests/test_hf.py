@@ -1,0 +1,94 @@
+"""The Hugging Face TrainerCallback under transformers' own Trainer: a resume from the store ends
+bit for bit where an uninterrupted run ends, and a run resumed from an earlier step with the
+callback attached trains on and saves over the later steps, as the Trainer overwrites its
+folders. transformers is a test-only dependency (the `integrations` extra)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import assert_same
+
+transformers = pytest.importorskip("transformers")
+
+import cas  # noqa: E402
+from cas.store.hf import CasCallback, resume  # noqa: E402
+
+
+def hf_parts(tmp_path):
+    """A tiny GPT-2 built from a config (no download), with dropout on and a shuffled sampler:
+    the Trainer restores both through the RNG and data-skipping state the callback saves."""
+    data = torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row.clone()} for row in data]
+
+    def model(seed: int = 0):
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+        return transformers.GPT2LMHeadModel(config)
+
+    def args(name: str):
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2,
+            warmup_steps=2, save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+            disable_tqdm=True, seed=0, dataloader_num_workers=0)
+
+    return dataset, model, args
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_resume_from_the_store_matches_an_uninterrupted_run(tmp_path):
+    dataset, model, args = hf_parts(tmp_path)
+    full = transformers.Trainer(model(), args("full"), train_dataset=dataset)
+    full.train()
+
+    class StopAt3(transformers.TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    callback = CasCallback(tmp_path / "store", keep_folders=False)
+    transformers.Trainer(model(), args("part"), train_dataset=dataset, callbacks=[callback, StopAt3()]).train()
+    assert [ck.step for ck in callback.store.checkpoints()] == [3]
+    assert not os.path.exists(tmp_path / "part" / "checkpoint-3")  # the store holds it instead
+    assert "loss" in callback.store.get(3).metrics
+
+    again = transformers.Trainer(model(seed=1), args("again"), train_dataset=dataset)  # weights come from the store
+    resume(again, callback.store)
+    assert losses(again) == losses(full)
+    assert_same(again.model.state_dict(), full.model.state_dict())
+    callback.store.close()
+
+
+def test_a_run_resumed_from_an_earlier_step_with_the_callback_attached_saves_over_the_later_steps(tmp_path):
+    """The store holds steps 3 and 6; a Trainer built the same way (callback attached) resumes
+    from step 3. Its save at step 6 replaces the stored one instead of stopping the training
+    with CheckpointExistsError, and it ends where the first run ended."""
+    dataset, model, args = hf_parts(tmp_path)
+    callback = CasCallback(tmp_path / "store")
+    first = transformers.Trainer(model(), args("first"), train_dataset=dataset, callbacks=[callback])
+    first.train()
+    before = {ck.step: ck for ck in callback.store.checkpoints()}
+    assert sorted(before) == [3, 6]
+
+    again = transformers.Trainer(model(seed=1), args("again"), train_dataset=dataset,
+                                 callbacks=[CasCallback(callback.store)])
+    resume(again, callback.store, step=3)
+    assert again.state.global_step == 6 and losses(again) == losses(first)  # its log history goes on from step 3
+    assert os.path.isdir(tmp_path / "again" / "checkpoint-6")  # the Trainer's own save ran too
+    after = {ck.step: ck for ck in callback.store.checkpoints()}
+    assert sorted(after) == [3, 6] and after[3] == before[3]
+    assert after[6].seq > before[6].seq  # step 6 is the resumed run's save
+    assert_same(callback.store.load(6, keys=["model"])["model"], again.model.state_dict())
+    assert_same(again.model.state_dict(), first.model.state_dict())
+    callback.store.close()
+
+
+def test_a_callback_handed_a_path_opens_the_store_as_cas_open_does(tmp_path):
+    callback = CasCallback(tmp_path / "store", retention=cas.Retention(keep_last=1))
+    assert isinstance(callback.store, cas.Store) and callback.store.retention == cas.Retention(keep_last=1)
+    callback.store.close()

@@ -1,0 +1,288 @@
+"""The Lightning CheckpointIO plugin under Lightning's own Trainer and ModelCheckpoint: a resume
+ends bit for bit where an uninterrupted run ends, a second run into the same dirpath keeps the
+first run's checkpoints (versioned names, as with files), save_last="link", and loading without
+the plugin (Model.load_from_checkpoint, a plugin-less Trainer) through cas:// URLs. Lightning
+is a test-only dependency (the `integrations` extra)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from helpers import assert_same
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.utilities.parsing import AttributeDict  # noqa: E402
+
+import cas  # noqa: E402
+from cas.errors import CasError, CheckpointNotFoundError  # noqa: E402
+from cas.store.lightning import MARKER_MEMBER, CasCheckpointIO, cas_url  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def torch_modes_restored():
+    """Trainers may switch torch into global modes (Lightning's deterministic=True turns on
+    deterministic algorithms for the whole process); later tests must not inherit them."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+class Tiny(L.LightningModule):
+    """No dropout and no shuffling: Lightning itself saves neither the global RNG nor the
+    sampler's generator, so those would differ after any resume."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # an AttributeDict in the checkpoint
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+
+def loader():
+    """32 samples in batches of 8: four steps an epoch."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 2, (32,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def trainer(epochs: int, io=None, **checkpointing) -> L.Trainer:
+    """A CPU Trainer with one ModelCheckpoint(**checkpointing), or none when not given."""
+    return L.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", devices=1, plugins=[io] if io else None,
+                     callbacks=[ModelCheckpoint(**checkpointing)] if checkpointing else None,
+                     enable_checkpointing=bool(checkpointing))
+
+
+def fitted(seed: int, epochs: int, io=None, ckpt_path=None, **checkpointing) -> Tiny:
+    torch.manual_seed(seed)
+    model = Tiny()
+    trainer(epochs, io, **checkpointing).fit(model, loader(), ckpt_path=ckpt_path)
+    return model
+
+
+def weights(model: torch.nn.Module):
+    return model.state_dict()
+
+
+def test_resume_from_the_store_matches_an_uninterrupted_run(tmp_path):
+    full = fitted(0, 3, dirpath=tmp_path / "full", save_last=True)
+
+    io = CasCheckpointIO(tmp_path / "store")
+    fitted(0, 2, io, dirpath=tmp_path / "ckpt", save_last=True)
+    # ModelCheckpoint kept its top-1 and last.ckpt, both at step 8 (last.ckpt replaced the first
+    # save in its commit); earlier ones were removed, markers and checkpoints alike.
+    assert [ck.step for ck in io.store.checkpoints()] == [8]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    assert io.latest_path() == str(tmp_path / "ckpt" / "last.ckpt")
+
+    resumed = fitted(1, 3, CasCheckpointIO(io.store), ckpt_path="last",  # Lightning finds last.ckpt itself
+                     dirpath=tmp_path / "ckpt", save_last=True)  # seed 1: other weights, which must not matter
+    assert resumed.losses == full.losses[-4:]
+    assert_same(weights(resumed), weights(full))
+    assert [ck.step for ck in io.store.checkpoints()] == [12]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=2-step=12.ckpt", "last.ckpt"]
+    io.close()
+
+
+@pytest.mark.parametrize("naming", [{}, {"filename": "model", "monitor": "step", "mode": "max"}],
+                         ids=["default-names", "fixed-filename"])
+def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_checkpoints(tmp_path, naming):
+    """Lightning versions a name it finds taken (epoch=0-step=4-v1.ckpt; model.ckpt,
+    model-v1.ckpt, ... for a fixed filename). Before the markers it found nothing at the paths,
+    so the second run's saves replaced the first run's (and a fixed filename kept only the
+    latest). The oracle is Lightning with its own files: the same runs into a folder of
+    torch.save files give the same names, each holding what the marker's checkpoint holds."""
+    def two_runs(dirpath, store=None):
+        for seed in (0, 1):  # other weights each run
+            io = CasCheckpointIO(store) if store else None
+            fitted(seed, 2, io, dirpath=dirpath, save_top_k=-1, **naming)
+            if io:
+                io.close()
+
+    two_runs(tmp_path / "files")
+    with pytest.warns(UserWarning, match="holds another checkpoint"):
+        two_runs(tmp_path / "ckpt", tmp_path / "store")
+
+    names = sorted(os.listdir(tmp_path / "files"))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == names and len(names) == 4
+    io = CasCheckpointIO(tmp_path / "store")
+    # Steps 4 and 8 hold the first run's checkpoints; the second run's are kept above them.
+    assert [(ck.step, ck.meta["lightning_global_step"]) for ck in io.store.checkpoints()] == [
+        (4, 4), (8, 8), (9, 4), (10, 8)]
+    for name in names:
+        ours = io.load_checkpoint(tmp_path / "ckpt" / name)
+        theirs = torch.load(tmp_path / "files" / name, weights_only=True)
+        assert ours["global_step"] == theirs["global_step"]
+        assert_same(ours["state_dict"], theirs["state_dict"])
+    io.close()
+
+
+def test_save_last_link_links_last_to_the_checkpoint_it_names(tmp_path):
+    """save_last="link": Lightning makes last.ckpt a link to the top-k file instead of saving."""
+    ckpt = tmp_path / "ckpt"
+    io = CasCheckpointIO(tmp_path / "store")
+    model = fitted(0, 2, io, dirpath=ckpt, save_last="link")
+    assert os.path.islink(ckpt / "last.ckpt")
+    assert os.path.realpath(ckpt / "last.ckpt") == str(ckpt / "epoch=1-step=8.ckpt")
+    assert [ck.step for ck in io.store.checkpoints()] == [8]  # the epoch-0 save was rotated out
+    assert_same(io.load_checkpoint(ckpt / "last.ckpt")["state_dict"], weights(model))
+    assert_same(Tiny.load_from_checkpoint(cas_url(ckpt / "last.ckpt")).state_dict(), weights(model))
+
+    resumed = fitted(1, 3, CasCheckpointIO(io.store), ckpt_path="last", dirpath=ckpt, save_last="link")
+    assert len(resumed.losses) == 4 and os.path.realpath(ckpt / "last.ckpt") == str(ckpt / "epoch=2-step=12.ckpt")
+    assert [ck.step for ck in io.store.checkpoints()] == [12]
+    io.close()
+
+
+def test_lightning_loads_a_marker_without_the_plugin_through_its_cas_url(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    io = CasCheckpointIO(tmp_path / "store")
+    model = fitted(0, 2, io, dirpath=ckpt, save_last=True)
+    full = fitted(0, 3)
+
+    loaded = Tiny.load_from_checkpoint(cas_url(ckpt / "last.ckpt"))
+    assert_same(loaded.state_dict(), weights(model))
+    assert_same(io.load_checkpoint(cas_url(ckpt / "last.ckpt"))["state_dict"], weights(model))  # the plugin too
+    assert loaded.hparams.lr == 0.05
+    resumed = fitted(1, 3, ckpt_path=cas_url(ckpt / "epoch=1-step=8.ckpt"))  # a Trainer without the plugin
+    assert resumed.losses == full.losses[-4:]
+    assert_same(weights(resumed), weights(full))
+
+    # The plain marker path cannot be read as a torch.save file: torch.load's error says what it is.
+    with pytest.raises(RuntimeError, match=MARKER_MEMBER.split(":")[0]):
+        Tiny.load_from_checkpoint(ckpt / "last.ckpt")
+    with pytest.raises(RuntimeError, match="load it through cas.store.lightning"):
+        fitted(1, 3, ckpt_path=ckpt / "last.ckpt")
+    io.close()
+
+
+def test_a_fresh_process_reads_cas_urls_through_the_entry_point(tmp_path):
+    """The package's fsspec entry point: a process that never imports cas reads cas:// files."""
+    assert any(ep.name == "cas" and ep.value == "cas.store.lightning:CasFileSystem"
+               for ep in entry_points(group="fsspec.specs")), "reinstall the package (pip install -e .)"
+    io = CasCheckpointIO(tmp_path / "store")
+    w = torch.arange(6.0).reshape(2, 3)
+    io.save_checkpoint({"global_step": 3, "state_dict": {"w": w}}, tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    io.close()
+    code = ("import sys, fsspec, torch\n"
+            "with fsspec.open(sys.argv[1], 'rb') as f:\n"
+            "    state = torch.load(f, weights_only=True)\n"
+            "print(state['state_dict']['w'].tolist(), state['global_step'], 'cas' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code, cas_url(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[[0.0,", "1.0,", "2.0],", "[3.0,", "4.0,", "5.0]]", "3", "True"]
+
+
+def test_markers_live_where_the_dirpath_is_another_fsspec_filesystem(tmp_path):
+    """A dirpath in a bucket (here fsspec's memory://, real fsspec code): Lightning checks and
+    lists it through fsspec, so the markers are written there too."""
+    import fsspec
+
+    dirpath = f"memory://{tmp_path.name}/ckpt"
+    try:
+        for seed in (0, 1):
+            io = CasCheckpointIO(tmp_path / "store")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # the second run's "holds another checkpoint"
+                model = fitted(seed, 2, io, dirpath=dirpath, save_top_k=-1, save_last=True)
+            io.close()
+        names = sorted(os.path.basename(p) for p in fsspec.filesystem("memory").ls(dirpath, detail=False))
+        assert names == ["epoch=0-step=4-v1.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=8-v1.ckpt",
+                         "epoch=1-step=8.ckpt", "last-v1.ckpt", "last.ckpt"]
+        assert_same(Tiny.load_from_checkpoint(cas_url(f"{dirpath}/last-v1.ckpt")).state_dict(), weights(model))
+    finally:
+        fsspec.filesystem("memory").rm(f"memory://{tmp_path.name}", recursive=True)
+
+
+def test_storage_options_are_refused_as_lightnings_own_plugins_refuse_them(tmp_path):
+    io = CasCheckpointIO(tmp_path / "store")
+    model = Tiny()
+    t = trainer(1, io)
+    t.fit(model, loader())
+    with pytest.raises(TypeError, match="storage_options.*not supported for `CasCheckpointIO`"):
+        t.save_checkpoint(tmp_path / "x.ckpt", storage_options={"compression": "zstd"})
+    assert io.store.checkpoints() == [] and not os.path.exists(tmp_path / "x.ckpt")
+    io.close()
+
+
+def test_paths_behave_like_files_that_saves_overwrite(tmp_path):
+    d = tmp_path / "d"
+    io = CasCheckpointIO(tmp_path / "store")
+
+    def save(name, step):
+        io.save_checkpoint({"global_step": step, "w": torch.full((2,), float(step)), "hp": AttributeDict(lr=0.1)},
+                           d / name)
+
+    save("epoch=0-step=4.ckpt", 4)
+    save("last.ckpt", 4)  # the same step of the same run again: replaced, now known by both names
+    save("epoch=1-step=8.ckpt", 8)
+    io.remove_checkpoint(d / "epoch=0-step=4.ckpt")  # last.ckpt still names step 4
+    assert [ck.step for ck in io.store.checkpoints()] == [4, 8]
+    assert sorted(os.listdir(d)) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    save("last.ckpt", 8)  # last.ckpt moves on: step 4 has no name left
+    assert [ck.step for ck in io.store.checkpoints()] == [8]
+    assert io.load_checkpoint(d / "last.ckpt")["hp"] == {"lr": 0.1}
+    assert torch.equal(io.load_checkpoint("elsewhere/epoch=1-step=8.ckpt")["w"], torch.full((2,), 8.0))
+    save("last.ckpt", 12)  # monitor-style: only last.ckpt names the newest steps
+    save("last.ckpt", 16)
+    assert [ck.step for ck in io.store.checkpoints()] == [8, 16]
+    io.store.set_pinned(8)
+    io.remove_checkpoint(d / "epoch=1-step=8.ckpt")  # a pinned checkpoint stays
+    assert io.step_for("last") == 16 and [ck.step for ck in io.store.checkpoints()] == [8, 16]
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
+        io.load_checkpoint(d / "best.ckpt")
+
+    io.teardown()  # the run ended: a save at one of its steps is another run's, kept beside it
+    with pytest.warns(UserWarning, match="kept beside it as step 17"):
+        save("epoch=3-step=16.ckpt", 16)
+    assert [ck.step for ck in io.store.checkpoints()] == [8, 16, 17]
+    io.close()
+
+
+def test_a_marker_whose_checkpoint_is_gone_or_a_file_that_is_no_marker_says_so(tmp_path):
+    d = tmp_path / "d"
+    io = CasCheckpointIO(cas.open(tmp_path / "store", retention=cas.Retention(keep_last=1)))
+    for step in (1, 2):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(2)}, d / f"epoch=0-step={step}.ckpt")
+    assert [ck.step for ck in io.store.checkpoints()] == [2]  # retention deleted step 1; its marker stays
+    with pytest.raises(CheckpointNotFoundError, match="no longer holds it"):
+        io.load_checkpoint(d / "epoch=0-step=1.ckpt")
+    with pytest.raises(CheckpointNotFoundError, match="no longer holds it"):
+        Tiny.load_from_checkpoint(cas_url(d / "epoch=0-step=1.ckpt"))
+
+    torch.save({"w": torch.ones(2)}, d / "plain.ckpt")  # a torch.save file is never unpickled here
+    with pytest.raises(CasError, match="is not a cas checkpoint marker"):
+        io.load_checkpoint(d / "plain.ckpt")
+    io.remove_checkpoint(d / "plain.ckpt")
+    assert os.path.exists(d / "plain.ckpt")  # only markers and links are removed
+    io.close()
+
+
+def test_a_plugin_handed_a_path_opens_the_store_as_cas_open_does(tmp_path):
+    """A path and cas.open's options, retention included: the plugin's store applies it."""
+    io = CasCheckpointIO(tmp_path / "store", retention=cas.Retention(keep_last=2), chunk_size=64 << 10)
+    for step in (1, 2, 3):
+        io.save_checkpoint({"global_step": step, "w": torch.full((2,), float(step))},
+                           tmp_path / "d" / f"epoch=0-step={step}.ckpt")
+    assert isinstance(io.store, cas.Store) and [ck.step for ck in io.store.checkpoints()] == [2, 3]
+    io.close()
