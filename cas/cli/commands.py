@@ -124,16 +124,21 @@ def cmd_verify(store, args) -> int:
     if args.json:
         emit_json({"ok": report.ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
-                    "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
+                    "checked_objects": report.checked_objects, "checked_chunks": report.checked_chunks,
+                    "checked_manifest_nodes": report.checked_nodes, "checked_delta_bases": report.checked_bases,
+                    "checked_bytes": report.checked_bytes, "checked_raw_bytes": report.checked_bytes,
+                    "checked_stored_bytes": report.checked_stored_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
                     "recorded_damaged": report.recorded, "payloads_checked": not report.quick})
         return EXIT_OK if report.ok else EXIT_PROBLEM
     for p in report.problems:
         print(f"PROBLEM: {p}")
     print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
-          f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
-          f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
+          f"{len(report.checked_checkpoints)} checkpoints, {len(report.whole_steps)} whole, "
           f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+    roles = _roles(report.checked_chunks, report.checked_nodes, report.checked_bases)
+    print(f"checked {report.checked_objects} objects ({roles}): {human(report.checked_bytes)} of tensor data "
+          f"in distinct chunks, {human(report.checked_stored_bytes)} stored")
     for line in _verify_notes(report):
         print(line)
     return EXIT_OK if report.ok else EXIT_PROBLEM
@@ -155,23 +160,38 @@ def _verify_notes(report) -> list[str]:
 
 @command("du", "disk usage: logical against stored bytes", _add_du, read_only=True)
 def cmd_du(store, args) -> int:
+    from cas.store.stats import object_counts
+
     s = store.stats()
     codecs = store.codec_usage()
+    counts = object_counts(store)
     data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
-            "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3), "codecs": codecs}
+            "objects": s.num_objects, "objects_by_role": counts.to_json(), "dedup_ratio": round(s.dedup_ratio, 3),
+            "codecs": codecs}
     if args.json:
         emit_json(data)
-    else:
-        print(f"checkpoints   {s.num_checkpoints}")
-        print(f"logical       {human(s.logical_bytes)}  (what separate full copies would hold)")
-        print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects")
-        print(f"ratio         {s.dedup_ratio:.2f}x")
-        print(f"\n{'codec':28} {'objects':>8} {'stored':>11} {'raw':>11} {'size':>6} {'chain':>5}")
-        for name, u in sorted(codecs.items(), key=lambda kv: -kv[1]["stored_bytes"]):
-            share = u["stored_bytes"] / u["raw_bytes"] if u["raw_bytes"] else 1.0
-            print(f"{name:28} {u['objects']:>8} {human(u['stored_bytes']):>11} {human(u['raw_bytes']):>11} "
-                  f"{share:>6.1%} {u['max_depth']:>5}")
+        return EXIT_OK
+    print(f"checkpoints   {s.num_checkpoints}")
+    print(f"logical       {human(s.logical_bytes)}  (tensor bytes: what separate full copies would hold)")
+    print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects (every object in the index)")
+    print(f"referenced    {counts.referenced} objects ({_roles(counts.chunks, counts.nodes, counts.bases)}): "
+          "what `cas verify` checks")
+    print(f"unreferenced  {counts.unreferenced} objects (no checkpoint reaches them; the next gc sweeps them)")
+    if counts.unreadable_nodes:
+        print(f"cas: warning: {counts.unreadable_nodes} manifest nodes do not read; run `cas verify`", file=sys.stderr)
+    print(f"ratio         {s.dedup_ratio:.2f}x  (logical / stored)")
+    print(f"\n{'codec':28} {'objects':>8} {'stored':>11} {'headers':>9} {'raw':>11} {'payload/raw':>11} {'chain':>5}")
+    for name, u in sorted(codecs.items(), key=lambda kv: -kv[1]["stored_bytes"]):
+        payload = u["stored_bytes"] - u["header_bytes"]
+        share = f"{payload / u['raw_bytes']:.1%}" if u["raw_bytes"] else "-"
+        print(f"{name:28} {u['objects']:>8} {human(u['stored_bytes']):>11} {human(u['header_bytes']):>9} "
+              f"{human(u['raw_bytes']):>11} {share:>11} {u['max_depth']:>5}")
+    print("(stored = payload + headers; payload/raw is what the codec made of the raw bytes)")
     return EXIT_OK
+
+
+def _roles(chunks: int, nodes: int, bases: int) -> str:
+    return f"{chunks} tensor chunks, {nodes} manifest nodes, {bases} delta bases"
 
 
 @command("rm", "delete a checkpoint (space returns at the next gc)", _add_step)
