@@ -1,17 +1,18 @@
 """The `cas` commands on one store: ls, show, verify, du, rm, pin, unpin, gc, repair, milestone.
 
-Each registers with base.command; the interop commands (export, import, diff) are in interop.
+Each registers with base.command; the interop commands (export, import, diff) are in interop,
+`cas cat` and `cas show --values` in values.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 from cas.errors import CasError
 from cas.progress import progress_for
 
-from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, usage_error
+from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, usage_error
+from .values import show_values
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -20,6 +21,9 @@ def _add_ls(p) -> None:
 
 def _add_show(p) -> None:
     p.add_argument("step", type=parse_step)
+    p.add_argument("--values", action="store_true",
+                   help="list the non-tensor values (step, scheduler, scaler, sampler, RNG, your own) with their "
+                        "dotted keys instead of the tensors")
     p.add_argument("--json", action="store_true")
 
 def _add_verify(p) -> None:
@@ -85,9 +89,11 @@ def exclusive_column(store, cks, args) -> dict[int, int]:
         return {}
 
 
-@command("show", "show one checkpoint's tensors", _add_show, read_only=True)
+@command("show", "show one checkpoint's tensors (--values: its other values)", _add_show, read_only=True)
 def cmd_show(store, args) -> int:
     ck = store.get(args.step)
+    if args.values:
+        return show_values(store, ck, args)
     tensors = store.tensors(ck.step)
     prev = store.previous(ck.step)
     before = {k for t in store.tensors(prev.step) for k in t["chunks"]} if prev else set()
@@ -99,13 +105,7 @@ def cmd_show(store, args) -> int:
     if args.json:
         emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
         return EXIT_OK
-    print(f"checkpoint {ck.step}  id {ck.id}")
-    print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
-          f"logical {human(ck.logical_bytes)}  new on disk {human(ck.new_bytes)}")
-    if ck.metrics:
-        print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
-    if ck.meta:
-        print("meta " + json.dumps(ck.meta, default=str))
+    print_checkpoint(ck)
     against = f"not in step {prev.step}" if prev else "first checkpoint"
     print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  {'chain':>5}  "
           f"new ({against})")
