@@ -31,7 +31,7 @@ import torch
 
 from cas import faults
 from cas.errors import CasError
-from cas.fsutil import fsync_dir, tmp_name
+from cas.fsutil import fsync_dir, new_file_mode, tmp_name
 from cas.progress import ProgressCallback
 
 from .reader import Leaf
@@ -165,6 +165,7 @@ def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     tmp = tmp_name(directory, os.path.basename(path))
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, new_file_mode())  # safetensors creates 0o600; an export is a user's file
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -219,6 +219,10 @@ def cmd_unpin(store, args) -> int:
 def cmd_gc(store, args) -> int:
     from cas.gc import Retention
 
+    if args.keep_last == 0:  # a rule keeping nothing: only "the newest is never removed" would save one
+        return usage_error("--keep-last 0 keeps no checkpoint by that rule (gc would remove all but the newest, "
+                           "which it never removes); use --keep-last 1 to keep only the newest, or --keep-all to "
+                           "remove no checkpoint and only reclaim garbage")
     rules = dict(keep_last=args.keep_last, keep_milestones=args.keep_milestones, keep_every=args.keep_every,
                  keep_best=args.keep_best, keep_within=args.keep_within)
     retention = Retention(**rules)
