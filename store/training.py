@@ -32,21 +32,23 @@ def is_stateful(value) -> bool:
             and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
 
 
-def resolve_stateful(value, path: str = ""):
+def resolve_stateful(value, where: tuple = ()):
     """The state with every stateful object replaced by its state_dict(), at any depth. A value
-    that refuses to be saved (UnresumableStateError) is named by its path in the state."""
+    that refuses to be saved (UnresumableStateError) is named by its path in the state (`where`:
+    the keys down to `value`, joined only then)."""
     if is_stateful(value):
         try:
             return value.state_dict()
         except UnresumableStateError as exc:
+            path = ".".join(map(str, where))
             raise UnresumableStateError(f"state entry {path!r}: {exc}" if path else str(exc)) from None
     if type(value) in (dict, OrderedDict):
-        out = type(value)((k, resolve_stateful(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
+        out = type(value)((k, resolve_stateful(v, (*where, k))) for k, v in value.items())
         if hasattr(value, "_metadata"):  # a module state dict's versions
             out._metadata = value._metadata
         return out
     if type(value) in (list, tuple):
-        return type(value)(resolve_stateful(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+        return type(value)(resolve_stateful(v, (*where, i)) for i, v in enumerate(value))
     return value
 
 
