@@ -76,7 +76,7 @@ class ObjectCounts:
     nodes: int  # manifest nodes (commit, value and tensor nodes) of the checkpoints
     bases: int  # kept only as delta bases of those chunks
     unreferenced: int  # in the index, reachable from no checkpoint: the next gc sweeps them
-    unreadable_nodes: int = 0  # manifest nodes that do not read (what only they reference is counted unreferenced)
+    unreadable_nodes: int = 0  # nodes that do not read (they, and what only they reach, count as unreferenced)
 
     @property
     def referenced(self) -> int:

@@ -101,15 +101,22 @@ def tensor_summary(node: dict) -> dict:
 
 
 def tensor_stats(t) -> dict:
-    """min, max, mean and the first values of a decoded tensor or array (every chunk verified)."""
+    """min, max, mean and the first values of a decoded tensor or array (every chunk verified);
+    none for a dtype torch cannot compute with (float4, bits), whose summary stands alone."""
     import torch
 
-    x = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(t))
-    flat = x.detach().reshape(-1)
-    out: dict = {"first": to_json(flat[:8].tolist())}
-    if flat.numel() and not flat.is_complex():
-        wide = flat.to(torch.float64) if flat.is_floating_point() else flat.to(torch.int64)
-        out.update(min=wide.min().item(), max=wide.max().item(), mean=wide.to(torch.float64).mean().item())
+    if not isinstance(t, torch.Tensor):
+        a = np.asarray(t)
+        t = torch.from_numpy(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("="))))
+    flat = t.detach().reshape(-1)
+    try:
+        out: dict = {"first": to_json(flat[:8].tolist())}
+        if flat.numel() and not flat.is_complex():
+            exact = not flat.is_floating_point() and flat.dtype != torch.uint64  # ints stay exact
+            wide = flat.to(torch.int64) if exact else flat.to(torch.float64)
+            out.update(min=wide.min().item(), max=wide.max().item(), mean=wide.to(torch.float64).mean().item())
+    except (RuntimeError, TypeError):
+        return {}
     return out
 
 
