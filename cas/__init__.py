@@ -18,7 +18,7 @@ import os
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
                      FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
                      RetentionRefusedError, StateMismatchError, StoreClosedError, StoreWriteError,
-                     UnsupportedFilesystemError)
+                     UnresumableStateError, UnsupportedFilesystemError)
 
 __version__ = "0.1.0"
 
@@ -70,4 +70,4 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader", "StoreOptions", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
-           "UnsupportedFilesystemError", "open"]
+           "UnresumableStateError", "UnsupportedFilesystemError", "open"]

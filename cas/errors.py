@@ -40,6 +40,11 @@ class StateMismatchError(CasError, ValueError):
     load_state_dict would refuse): nothing was restored."""
 
 
+class UnresumableStateError(CasError):
+    """A value of the state cannot be saved so that a resume continues exactly where the run is
+    (a sampler whose position runs ahead of the training loop); nothing was saved."""
+
+
 class StoreWriteError(CasError):
     """Writing to the store failed (a full disk, say); nothing of that save was committed."""
 

@@ -33,6 +33,20 @@ def host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
 
 
+def new_file_mode() -> int:
+    """The mode a file created for the user gets by default: 0o666 less the process umask. A
+    writer that creates its file privately first (safetensors writes 0o600) gives it this mode
+    before the file takes its name. The umask is read from /proc (Linux) where it can be: setting
+    it to read it back would race other threads creating files."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def tmp_name(directory: str, stem: str, *, owned: bool = False) -> str:
     """A temporary path no other writer (process or thread, on any host) will pick:
     `.<stem>.<host>.<pid>.<thread>.<owner token><random>.tmp`. With `owned` (a store's tmp

@@ -36,7 +36,7 @@ import torch
 
 from cas import faults
 from cas.errors import CasError, CheckpointNotFoundError
-from cas.fsutil import fsync_dir, tmp_name
+from cas.fsutil import fsync_dir, new_file_mode, tmp_name
 from cas.progress import ProgressCallback
 
 from .reader import Leaf
@@ -252,6 +252,7 @@ def _write_atomically(path: str, write: Callable[[str], None]) -> None:
     tmp = tmp_name(directory, os.path.basename(path))
     try:
         write(tmp)
+        os.chmod(tmp, new_file_mode())  # safetensors and torch.save create 0o600; an export is a user's file
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

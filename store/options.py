@@ -1,5 +1,5 @@
 """The options of a store, declared and validated once (as orbax's CheckpointManagerOptions),
-and the checks of a save's own arguments (metrics, meta).
+and the checks of a save's own arguments (step, metrics, meta).
 
 `cas.open(path, **options)` and DCP's `CasWriter(path, step=..., **options)` take the same
 option names with the same meaning; a value either refuses is refused in the same words.
@@ -96,6 +96,23 @@ class StoreOptions:
             return self.workers
         count = os.cpu_count() or 2
         return min(count, cap) if cap is not None else count
+
+
+MAX_STEP = (1 << 63) - 1  # what a registry key holds
+
+
+def checked_step(step) -> int:
+    """A save's step: a non-negative int. Steps name training progress (a step or sample count);
+    "latest" and retention's "last" follow commit order, so a rollback or a restart needs no
+    step of its own below zero, and a negative one is most likely an off-by-one (step - 1 at step
+    0) or a sentinel (-1) passed where a step was meant. Loading, listing and copying still take
+    any step a store already holds (stores written before this rule)."""
+    if type(step) is not int:
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if not 0 <= step <= MAX_STEP:
+        raise CasError(f"step {step} is refused: a step is an int from 0 to {MAX_STEP} (the training step or "
+                       "sample count the state was saved at); nothing was saved")
+    return step
 
 
 def checked_metrics(metrics) -> dict:

@@ -7,15 +7,54 @@ are checked against the checkpoint before any byte is decoded, and restored last
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch.nn.parameter import is_lazy
 
-from cas.errors import CheckpointNotFoundError, StateMismatchError
+from cas.errors import CheckpointNotFoundError, CorruptionError, StateMismatchError
 
 from . import tensors
 from .reader import CheckpointReader
+from .registry import Checkpoint
 from .training import is_stateful
 from .tree import walk_value
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint that a fallback passed over: its step, id, and the damage found in it."""
+
+    step: int
+    id: str
+    reason: str
+
+
+class RestoredState(dict):
+    """The top-level entries that `restore` (or `load(fallback=True)`) returns, with `checkpoint`,
+    the checkpoint they came from, and `skipped`, the newer ones a fallback passed over as
+    damaged, newest first (empty when none was)."""
+
+    def __init__(self, entries: dict, checkpoint: Checkpoint, skipped: list[Skipped] | None = None) -> None:
+        super().__init__(entries)
+        self.checkpoint = checkpoint
+        self.skipped = list(skipped or [])
+
+
+def first_sound(candidates: list[Checkpoint], attempt: Callable[[Checkpoint], object],
+                where: str) -> tuple[object, Checkpoint, list[Skipped]]:
+    """attempt(ck) for each candidate in turn until one raises no CorruptionError: (its result,
+    that checkpoint, the ones skipped with why). Any other error stops the search (a target that
+    does not fit is not damage). None sound: a CorruptionError naming every one."""
+    skipped: list[Skipped] = []
+    for ck in candidates:
+        try:
+            return attempt(ck), ck, skipped
+        except CorruptionError as exc:
+            skipped.append(Skipped(ck.step, ck.id, str(exc)))
+    raise CorruptionError(f"no checkpoint of {where} can be read whole; every one is damaged: "
+                          + "; ".join(f"step {s.step}: {s.reason}" for s in skipped))
 
 
 def restore(reader: CheckpointReader, targets: dict) -> dict:

@@ -24,6 +24,8 @@ from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
 
+from .stats import delta_bases, reach
+
 
 @dataclass
 class Problem:
@@ -38,13 +40,23 @@ class Problem:
 
 @dataclass
 class VerifyReport:
+    """What a verify checked, counted as `cas du` counts objects (store/stats.py): chunks,
+    manifest nodes and the delta bases decoded with the chunks (presence-checked with quick)."""
+
     quick: bool = False
     checked_checkpoints: list[int] = field(default_factory=list)
-    checked_objects: int = 0
-    checked_bytes: int = 0
+    checked_chunks: int = 0
+    checked_nodes: int = 0
+    checked_bases: int = 0
+    checked_bytes: int = 0  # raw (decoded) bytes of the chunks checked: tensor data, each chunk once
+    checked_stored_bytes: int = 0  # their stored bytes, with the nodes' and bases'
     problems: list[Problem] = field(default_factory=list)
     recorded: list[str] = field(default_factory=list)  # objects now recorded as damaged (hex keys)
     read_only: bool = False  # the store was open read-only: nothing could be recorded
+
+    @property
+    def checked_objects(self) -> int:
+        return self.checked_chunks + self.checked_nodes + self.checked_bases
 
     @property
     def ok(self) -> bool:
@@ -152,6 +164,19 @@ def _clear_damage(store, keys) -> None:
                 store.index.clear_damaged(txn, key)
 
 
+def _count_nodes_and_bases(store, report: VerifyReport, checkpoints, sound: list[bytes]) -> None:
+    """Count the manifest nodes that read (each once, as du does) and the delta bases below the
+    sound chunks (a chunk checks whole only when its chain decodes, or, quick, is present), and
+    add up the stored bytes of everything checked."""
+    found = reach(store.objects, checkpoints)
+    bases = delta_bases(store.objects, sound)
+    report.checked_nodes, report.checked_bases = len(found.nodes), len(bases)
+    with store.index.read() as txn:
+        for key in (*sound, *found.nodes, *bases):
+            rec = store.index.record(txn, key)
+            report.checked_stored_bytes += rec.stored_size if rec is not None else 0
+
+
 def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
     report = VerifyReport(quick=quick, read_only=store.readonly)
     verdict: dict[bytes, CorruptionError | None] = {}
@@ -160,7 +185,7 @@ def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None
         if key not in verdict:
             try:
                 size = check_present(store.objects, key) if quick else store.objects.get(key).size
-                report.checked_objects += 1
+                report.checked_chunks += 1
                 report.checked_bytes += size
                 verdict[key] = None
             except CorruptionError as exc:
@@ -179,6 +204,7 @@ def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None
                         report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
         except CorruptionError as exc:  # a manifest node is damaged: the rest of this tree is unreachable
             report.problems.append(Problem(exc.key, ck.step, exc.path, exc.detail + "; the checkpoint cannot be read"))
+    _count_nodes_and_bases(store, report, checkpoints, [key for key, err in verdict.items() if err is None])
     if not quick:
         _clear_damage(store, [key for key, err in verdict.items() if err is None])
     report.recorded = record_damage(store, [p.key for p in report.problems], "verify --quick" if quick else "verify")

@@ -4,8 +4,8 @@ The store comes from `--store PATH` (before or after the command name), else $CA
 the current folder. Exit status: 0 fine, 1 a check found a problem, 2 usage error or bad input,
 always with a one-line message and no traceback.
 
-base holds the registry and what commands share; commands, interop and transfer register the
-commands by importing it; this module imports them all and runs one.
+base holds the registry and what commands share; commands, interop, transfer and values register
+the commands by importing it; this module imports them all and runs one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from cas.errors import CasError
 
-from . import audit, commands, interop, transfer  # noqa: F401 - importing them registers their commands
+from . import audit, commands, interop, transfer, values  # noqa: F401 - importing them registers their commands
 from .base import COMMANDS, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, run_on_store
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "build_parser", "main"]

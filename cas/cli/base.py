@@ -49,6 +49,17 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def print_checkpoint(ck) -> None:
+    """The lines `cas show` opens with: a checkpoint's id, flags, sizes, metrics and meta."""
+    print(f"checkpoint {ck.step}  id {ck.id}")
+    print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
+          f"logical {human(ck.logical_bytes)}  new on disk {human(ck.new_bytes)}")
+    if ck.metrics:
+        print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
+    if ck.meta:
+        print("meta " + json.dumps(ck.meta, default=str))
+
+
 def usage_error(message: str) -> int:
     """Say what was wrong with the command line or its input, on one line; EXIT_USAGE."""
     print(f"cas: error: {message}", file=sys.stderr)

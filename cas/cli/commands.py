@@ -1,17 +1,18 @@
 """The `cas` commands on one store: ls, show, verify, du, rm, pin, unpin, gc, repair, milestone.
 
-Each registers with base.command; the interop commands (export, import, diff) are in interop.
+Each registers with base.command; the interop commands (export, import, diff) are in interop,
+`cas cat` and `cas show --values` in values.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 from cas.errors import CasError
 from cas.progress import progress_for
 
-from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, usage_error
+from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, usage_error
+from .values import show_values
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -20,6 +21,9 @@ def _add_ls(p) -> None:
 
 def _add_show(p) -> None:
     p.add_argument("step", type=parse_step)
+    p.add_argument("--values", action="store_true",
+                   help="list the non-tensor values (step, scheduler, scaler, sampler, RNG, your own) with their "
+                        "dotted keys instead of the tensors")
     p.add_argument("--json", action="store_true")
 
 def _add_verify(p) -> None:
@@ -88,9 +92,11 @@ def exclusive_column(store, cks, args) -> dict[int, int]:
         return {}
 
 
-@command("show", "show one checkpoint's tensors", _add_show, read_only=True)
+@command("show", "show one checkpoint's tensors (--values: its other values)", _add_show, read_only=True)
 def cmd_show(store, args) -> int:
     ck = store.get(args.step)
+    if args.values:
+        return show_values(store, ck, args)
     tensors = store.tensors(ck.step)
     prev = store.previous(ck.step)
     before = {k for t in store.tensors(prev.step) for k in t["chunks"]} if prev else set()
@@ -102,13 +108,7 @@ def cmd_show(store, args) -> int:
     if args.json:
         emit_json({"checkpoint": ck.to_json(), "compared_with_step": prev.step if prev else None, "tensors": rows})
         return EXIT_OK
-    print(f"checkpoint {ck.step}  id {ck.id}")
-    print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
-          f"logical {human(ck.logical_bytes)}  new on disk {human(ck.new_bytes)}")
-    if ck.metrics:
-        print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
-    if ck.meta:
-        print("meta " + json.dumps(ck.meta, default=str))
+    print_checkpoint(ck)
     if ck.provenance:
         print("provenance " + _provenance_line(ck.provenance))
     if ck.signature:
@@ -146,7 +146,10 @@ def cmd_verify(store, args) -> int:
     if args.json:
         emit_json({"ok": ok, "quick": report.quick, "checked_checkpoints": report.checked_checkpoints,
                     "whole_steps": report.whole_steps,
-                    "checked_objects": report.checked_objects, "checked_bytes": report.checked_bytes,
+                    "checked_objects": report.checked_objects, "checked_chunks": report.checked_chunks,
+                    "checked_manifest_nodes": report.checked_nodes, "checked_delta_bases": report.checked_bases,
+                    "checked_bytes": report.checked_bytes, "checked_raw_bytes": report.checked_bytes,
+                    "checked_stored_bytes": report.checked_stored_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
                     "recorded_damaged": report.recorded, "payloads_checked": not report.quick,
                     **({"signatures_checked": True, "unsigned": {str(s): w for s, w in unsigned.items()}}
@@ -159,9 +162,11 @@ def cmd_verify(store, args) -> int:
     for p in report.problems:
         print(f"PROBLEM: {p}")
     print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
-          f"{len(report.checked_checkpoints)} checkpoints, {report.checked_objects} objects, "
-          f"{human(report.checked_bytes)} checked; {len(report.whole_steps)} whole, "
+          f"{len(report.checked_checkpoints)} checkpoints, {len(report.whole_steps)} whole, "
           f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
+    roles = _roles(report.checked_chunks, report.checked_nodes, report.checked_bases)
+    print(f"checked {report.checked_objects} objects ({roles}): {human(report.checked_bytes)} of tensor data "
+          f"in distinct chunks, {human(report.checked_stored_bytes)} stored")
     for line in _verify_notes(report):
         print(line)
     return EXIT_OK if ok else EXIT_PROBLEM
@@ -183,23 +188,38 @@ def _verify_notes(report) -> list[str]:
 
 @command("du", "disk usage: logical against stored bytes", _add_du, read_only=True)
 def cmd_du(store, args) -> int:
+    from cas.store.stats import object_counts
+
     s = store.stats()
     codecs = store.codec_usage()
+    counts = object_counts(store)
     data = {"checkpoints": s.num_checkpoints, "logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
-            "objects": s.num_objects, "dedup_ratio": round(s.dedup_ratio, 3), "codecs": codecs}
+            "objects": s.num_objects, "objects_by_role": counts.to_json(), "dedup_ratio": round(s.dedup_ratio, 3),
+            "codecs": codecs}
     if args.json:
         emit_json(data)
-    else:
-        print(f"checkpoints   {s.num_checkpoints}")
-        print(f"logical       {human(s.logical_bytes)}  (what separate full copies would hold)")
-        print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects")
-        print(f"ratio         {s.dedup_ratio:.2f}x")
-        print(f"\n{'codec':28} {'objects':>8} {'stored':>11} {'raw':>11} {'size':>6} {'chain':>5}")
-        for name, u in sorted(codecs.items(), key=lambda kv: -kv[1]["stored_bytes"]):
-            share = u["stored_bytes"] / u["raw_bytes"] if u["raw_bytes"] else 1.0
-            print(f"{name:28} {u['objects']:>8} {human(u['stored_bytes']):>11} {human(u['raw_bytes']):>11} "
-                  f"{share:>6.1%} {u['max_depth']:>5}")
+        return EXIT_OK
+    print(f"checkpoints   {s.num_checkpoints}")
+    print(f"logical       {human(s.logical_bytes)}  (tensor bytes: what separate full copies would hold)")
+    print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects (every object in the index)")
+    print(f"referenced    {counts.referenced} objects ({_roles(counts.chunks, counts.nodes, counts.bases)}): "
+          "what `cas verify` checks")
+    print(f"unreferenced  {counts.unreferenced} objects (no checkpoint reaches them; the next gc sweeps them)")
+    if counts.unreadable_nodes:
+        print(f"cas: warning: {counts.unreadable_nodes} manifest nodes do not read; run `cas verify`", file=sys.stderr)
+    print(f"ratio         {s.dedup_ratio:.2f}x  (logical / stored)")
+    print(f"\n{'codec':28} {'objects':>8} {'stored':>11} {'headers':>9} {'raw':>11} {'payload/raw':>11} {'chain':>5}")
+    for name, u in sorted(codecs.items(), key=lambda kv: -kv[1]["stored_bytes"]):
+        payload = u["stored_bytes"] - u["header_bytes"]
+        share = f"{payload / u['raw_bytes']:.1%}" if u["raw_bytes"] else "-"
+        print(f"{name:28} {u['objects']:>8} {human(u['stored_bytes']):>11} {human(u['header_bytes']):>9} "
+              f"{human(u['raw_bytes']):>11} {share:>11} {u['max_depth']:>5}")
+    print("(stored = payload + headers; payload/raw is what the codec made of the raw bytes)")
     return EXIT_OK
+
+
+def _roles(chunks: int, nodes: int, bases: int) -> str:
+    return f"{chunks} tensor chunks, {nodes} manifest nodes, {bases} delta bases"
 
 
 @command("rm", "delete a checkpoint (space returns at the next gc)", _add_step)
@@ -227,6 +247,10 @@ def cmd_unpin(store, args) -> int:
 def cmd_gc(store, args) -> int:
     from cas.gc import Retention
 
+    if args.keep_last == 0:  # a rule keeping nothing: only "the newest is never removed" would save one
+        return usage_error("--keep-last 0 keeps no checkpoint by that rule (gc would remove all but the newest, "
+                           "which it never removes); use --keep-last 1 to keep only the newest, or --keep-all to "
+                           "remove no checkpoint and only reclaim garbage")
     rules = dict(keep_last=args.keep_last, keep_milestones=args.keep_milestones, keep_every=args.keep_every,
                  keep_best=args.keep_best, keep_within=args.keep_within)
     retention = Retention(**rules)

@@ -28,7 +28,7 @@ from .. import tensors as T
 from ..bases import DELTA_MIN_BYTES
 from ..commit import SaveRecord, commit_save
 from ..registry import Checkpoint
-from ..options import StoreOptions, checked_meta, checked_metrics
+from ..options import StoreOptions, checked_meta, checked_metrics, checked_step
 from ..location import locate
 from ..opening import open_path
 from ..store import CheckpointStore
@@ -173,8 +173,7 @@ class CasWriter(StorageWriter):
                  metrics: dict | None = None, meta: dict | None = None, options: StoreOptions | None = None,
                  retention=None, overwrite: bool = False, **option_values) -> None:
         super().__init__()
-        if type(step) is not int:
-            raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+        checked_step(step)
         self.overwrite = bool(overwrite)
         self.options = StoreOptions.of(options, **option_values)
         self.retention = retention  # a cas.Retention applied after the commit, on a store opened here
