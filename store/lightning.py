@@ -14,7 +14,9 @@ there, links last.ckpt to a file (save_last="link"), finds ckpt_path="last" by l
 folder. So after each save's commit the plugin writes a marker at the path Lightning named (a
 local file, or an object where dirpath is another fsspec filesystem): a zip archive of one
 msgpack member (the store, the step, the checkpoint id; never pickle). Lightning code that reads
-the path without the plugin (Model.load_from_checkpoint(path), a Trainer without it) gets
+the path without the plugin (Model.load_from_checkpoint(path), a Trainer without it) reads it
+through Lightning's own loader, which this module, once imported, teaches to read markers through
+cas (every byte verified; any other file as before). A process that never imported it gets
 torch.load's error, which ends with the member's name: what the file is and how to load it.
 Through cas_url(path) (cas://PATH, an fsspec protocol the package registers by entry point) the
 same code reads the checkpoint the marker names, as a torch.save stream made from verified data
@@ -435,3 +437,41 @@ def _plain(value):
     if type(value) in (list, tuple):
         return type(value)(_plain(v) for v in value)
     return value
+
+
+# --- Lightning's own loader reads markers too -----------------------------------------------
+# Model.load_from_checkpoint(path) and a Trainer without this plugin (ckpt_path=path) read a
+# checkpoint with Lightning's `pl_load` (fsspec + torch.load), which a marker is not made for.
+# Once this module is imported (it is, wherever the plugin is used), that loader reads a marker
+# through cas, every byte verified, and any other file exactly as before. A process that never
+# imports it gets torch.load's error naming what the file is, or can use cas_url(path).
+def _loading_markers_too(original):
+    def load(path_or_url, map_location=None, weights_only=None):
+        if isinstance(path_or_url, (str, os.PathLike)) and _small_local_file(path_or_url) and _is_marker(
+                os.fspath(path_or_url)):
+            device = map_location if isinstance(map_location, (str, torch.device)) else None
+            return load_marked(path_or_url, device=device)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+    load.cas_reads_markers = True
+    load.__wrapped__ = original
+    return load
+
+
+def _small_local_file(path) -> bool:
+    """A local file no larger than a marker (a real torch.save file is not even opened)."""
+    try:
+        return os.path.getsize(path) <= _MARKER_LIMIT
+    except (OSError, ValueError):
+        return False
+
+
+def _teach_lightning_markers() -> None:
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.pytorch.core import saving
+
+    for module in (saving, torch_io):
+        if not getattr(module.pl_load, "cas_reads_markers", False):
+            module.pl_load = _loading_markers_too(module.pl_load)
+
+
+_teach_lightning_markers()
