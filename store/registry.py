@@ -30,7 +30,7 @@ ORDER_TABLE = "order"
 TABLES = (TABLE, ORDER_TABLE)
 RECORD_FORMAT = 1
 _BIAS = 1 << 63
-APPEND_ATTEMPTS = 5  # entries another cache committed meanwhile, folded in before trying again
+APPEND_ATTEMPTS = 20  # entries other caches committed meanwhile, folded in before trying again (hosts saving many times a second)
 
 
 def step_key(step: int) -> bytes:

@@ -311,7 +311,11 @@ import sys, time, cas
 with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
     deadline = time.monotonic() + float(sys.argv[3])
     while time.monotonic() < deadline:
-        report = store.gc(keep_last=3)
+        try:
+            report = store.gc(keep_last=3)
+        except cas.CasError as exc:  # giving up under contention is allowed (nothing committed); losing is not
+            print("gave-up", exc, flush=True)
+            continue
         print("gc", report.packs_removed, report.deferred, flush=True)
 """
 
@@ -329,7 +333,7 @@ def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypa
     assert all(p.returncode == 0 for p in savers + [gc]), [o[1][-2000:] for o in outs] + [gc_err[-2000:]]
     committed = {int(line.split()[1]) for out, _ in outs for line in out.splitlines() if line.startswith("committed")}
     assert len(committed) >= 18, outs  # a refusal is allowed (a paused writer), a loss is not
-    assert any(line.split()[1] != "0" for line in gc_out.splitlines()), gc_out  # gc did delete packs
+    assert any(line.startswith("gc ") and line.split()[1] != "0" for line in gc_out.splitlines()), gc_out
     with host(s3_url, tmp_path, "fresh") as fresh:
         assert fresh.verify().ok
         present = {ck.step: ck for ck in fresh.checkpoints()}
