@@ -18,9 +18,9 @@ import cas
 from cas.store.records import RecordLog
 from cas.store.snapshots import SNAPSHOT_EVERY, snapshot_name
 from helpers import assert_same
+from test_s3_store import host, state
 from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
 
-CHUNK = 64 << 10
 SAVER = """
 import sys, torch, cas
 url, cache, seed, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -40,16 +40,6 @@ with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
 """
 
 
-def state(seed: int, n: int = 3) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(n)}, "step": seed,
-            "note": f"state {seed}"}
-
-
-def host(url: str, tmp_path, name: str, **options):
-    return cas.open(url, cache_dir=str(tmp_path / f"cache-{name}"), chunk_size=CHUNK, **options)
-
-
 def spawn(script: str, *args, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=dict(os.environ, **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -62,6 +52,17 @@ def wait_for(path: str, proc: subprocess.Popen, seconds: float = 60) -> None:
             raise AssertionError(f"the worker ended first: {proc.stderr.read()[-2000:]}")
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
+
+
+def paused_reuser(a, url: str, tmp_path) -> tuple[subprocess.Popen, str]:
+    """Checkpoints 1 and 2 on host A; host B saving checkpoint 1's state again as step 3, paused
+    once it has claimed (reused, not written) the objects of checkpoint 1. Returns (B, its gate)."""
+    a.save(state(1), step=1)
+    a.save(state(2), step=2)
+    gate = str(tmp_path / "gate")
+    b = spawn(SAVER, url, tmp_path / "cache-b", 1, 3, env={"CAS_FAULTS": f"save.chunks_written=pause:{gate}"})
+    wait_for(gate + ".reached", b)
+    return b, gate
 
 
 def pack_sizes(store) -> dict:
@@ -132,11 +133,7 @@ def test_gc_while_another_host_saves_reusing_what_it_would_delete(s3_url, tmp_pa
     checkpoint 1, logs its intent and waits for B's lease; B commits; gc marks again, keeps the
     packs B's checkpoint needs and deletes the rest."""
     with host(s3_url, tmp_path, "a") as a:
-        a.save(state(1), step=1)
-        a.save(state(2), step=2)
-        gate = str(tmp_path / "gate")
-        b = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3, env={"CAS_FAULTS": f"save.chunks_written=pause:{gate}"})
-        wait_for(gate + ".reached", b)
+        b, gate = paused_reuser(a, s3_url, tmp_path)
         reports: list = []
         gc = threading.Thread(target=lambda: reports.append(a.gc(keep_last=1)))
         gc.start()
@@ -195,11 +192,7 @@ def test_a_writer_paused_past_its_lease_fails_and_commits_nothing(s3_url, tmp_pa
     gc waits out the lease, deletes them, and B, resumed, finds that out before its commit."""
     monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")
     with host(s3_url, tmp_path, "a") as a:
-        a.save(state(1), step=1)
-        a.save(state(2), step=2)
-        gate = str(tmp_path / "gate")
-        b = spawn(SAVER, s3_url, tmp_path / "cache-b", 1, 3, env={"CAS_FAULTS": f"save.chunks_written=pause:{gate}"})
-        wait_for(gate + ".reached", b)
+        b, gate = paused_reuser(a, s3_url, tmp_path)
         os.kill(b.pid, signal.SIGSTOP)
         try:
             report = a.gc(keep_last=1)
