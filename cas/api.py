@@ -102,6 +102,7 @@ class Store(CheckpointStore):
             raise TypeError("pass a Retention or rule keywords, not both")
         if rules:
             retention = Retention(**rules)
+        self.wait_recoding()  # what this process re-encodes is swept with the rest, not left behind
         return collect(self, retention, dry_run=dry_run, progress=progress)
 
     def pin(self, step: int) -> Checkpoint:

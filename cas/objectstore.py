@@ -96,15 +96,17 @@ class ObjectStore:
         buffer, valid until this thread's next fetch); MissingObjectError if nowhere."""
         for attempt in range(2):
             rec = self.record(key)
-            if rec is None or rec.where == WHERE_FILE:
-                return self.files.get(key, _read_buffer)
             try:
+                if rec is None or rec.where == WHERE_FILE:
+                    return self.files.get(key, _read_buffer)
                 return self.packs.read(rec.pack, rec.offset, rec.stored_size, key)
             except MissingObjectError:
-                if attempt:  # gc may have repacked it between our lookup and the read: look again
+                # gc may have repacked it, or a recode moved a file object into a pack, between our
+                # lookup and the read: look again
+                if attempt or (rec is None or rec.where == WHERE_FILE) and self.record(key) == rec:
                     raise
-                if self.on_missing_pack is not None:  # a gc elsewhere removed it: learn where it went
-                    self.on_missing_pack()
+                if rec is not None and rec.where == WHERE_PACK and self.on_missing_pack is not None:
+                    self.on_missing_pack()  # a gc elsewhere removed it: learn where it went
         raise AssertionError("unreachable")
 
     def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True,
@@ -187,6 +189,8 @@ class WriteSession:
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
+        self._recoded: set[bytes] = set()  # moves that make a full object a delta (write_recoded)
+        self.recoded: set[bytes] = set()  # of those, the ones the commit indexes (known inside it)
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         self._lock = threading.Lock()
@@ -345,6 +349,31 @@ class WriteSession:
                 self._written[key] = ObjectRecord(WHERE_FILE, enc.size, raw_size, base=enc.base, depth=depth)
         return enc.size
 
+    def write_recoded(self, key: bytes, blob: bytes, raw_size: int, base: bytes, depth: int) -> None:
+        """Store an object again as a delta of `base` (store/recode.py: an older checkpoint's
+        chunk coded against the newer one that replaced it), always into a pack, so the file it
+        had stays readable until the commit has moved its record. Its record replaces the
+        index's at the commit only if, inside that transaction, the object is still a full
+        object and `base` is indexed with no `key` on its chain (no other writer recoded either
+        meanwhile: a chain never loops); else the index's stays and the entry is garbage."""
+        with self._lock:
+            self._moves.add(key)
+            self._recoded.add(key)
+        self._add_small(key, blob, raw_size, base, depth)
+
+    def _recode_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord) -> bool:
+        if current is None or current.base is not None or current.raw_size != rec.raw_size:
+            return False
+        base = rec.base
+        for _ in range(MAX_CHAIN_DECODE + 1):
+            base_rec = self.index.record(txn, base)
+            if base == key or base_rec is None:
+                return False
+            if base_rec.base is None:
+                return True
+            base = base_rec.base
+        return False
+
     def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord) -> None:
         """Store an already encoded object again (gc's repacking moves live objects this way):
         its new record replaces the index's at the commit."""
@@ -482,6 +511,8 @@ class WriteSession:
         object that is recorded as damaged (or stands on a damaged base) does not stay: this
         session's copy takes its place and the damage record goes (decided here, inside the
         transaction: another writer may have replaced it already)."""
+        if key in self._recoded and not self._recode_stands(txn, key, current, rec):
+            return None
         rotten = key not in self._moves and self._rotten(txn, key, current)
         if (current is not None and current != rec and key not in self._moves and not rotten
                 and self._holds(key, current)):
@@ -543,6 +574,7 @@ class WriteSession:
                     if key in self._stale or current is None:
                         self.new_bytes += chosen.stored_size
                     settled.append((key, chosen))
+            self.recoded = {key for key, _ in settled if key in self._recoded}  # for `finish` to see
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:
                 if key in replacements:

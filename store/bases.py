@@ -24,12 +24,14 @@ from .values import numpy_dtype
 DELTA_MIN_BYTES = 64 << 10  # smaller tensors are not worth a delta
 
 
-@dataclass(frozen=True)
+@dataclass
 class TensorBases:
     """One tensor's (or shard's) chunk keys at the last save and, when kept, its bytes (`data`;
     None when only the keys were kept: whoever codes a chunk reads its base back from the store).
     `below` holds, at the spans of the chunks `below_keys` names (chunk index -> the key of that
-    chunk's own delta base), the bytes of those bases, from which `linear` deltas extrapolate."""
+    chunk's own delta base), the bytes of those bases, from which `linear` deltas extrapolate.
+    `group`: the codec's byte-group stride; `tails`: per chunk, the older chunks recoded into a
+    chain that ends in it, nearest first (store/recode.py; None: not known)."""
 
     nbytes: int
     chunk_size: int
@@ -38,6 +40,8 @@ class TensorBases:
     data: np.ndarray | None = None
     below: np.ndarray | None = None
     below_keys: dict = field(default_factory=dict)
+    group: int = 1
+    tails: list | None = None
 
     def matches(self, nbytes: int, chunk_size: int, skew: int) -> bool:
         """Whether a tensor of this layout has its chunks where these bases have theirs."""
@@ -62,8 +66,52 @@ def floating_node(node: dict) -> bool:
 def from_nodes(nodes: Iterable[tuple[object, dict]]) -> dict[object, TensorBases]:
     """Keys-only bases of the floating-point tensor nodes worth a delta, by name: what a save
     that has nothing in memory (a resumed run) codes against, reading each base back."""
-    return {name: TensorBases(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]))
+    return {name: TensorBases(node["nbytes"], node["chunk"], node["skew"], list(node["chunks"]), group=_group(node))
             for name, node in nodes if floating_node(node) and node["nbytes"] >= DELTA_MIN_BYTES}
+
+
+def _group(node: dict) -> int:
+    dtype = T.torch_dtype(node["dtype"]) if node["lib"] == "torch" else numpy_dtype(node["dtype"])
+    return T.group_size(dtype)
+
+
+class Buffers:
+    """Byte buffers of one size class reused from save to save (fresh memory is slow to touch),
+    keeping at most `keep` bytes idle."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.keep = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        free = self._free.get(nbytes)
+        return free.pop() if free else np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, bases: dict | None) -> None:
+        idle = sum(b.nbytes for bufs in self._free.values() for b in bufs)
+        for tb in (bases or {}).values():
+            if tb.data is not None and idle + tb.data.nbytes <= self.keep:
+                self._free.setdefault(tb.data.nbytes, []).append(tb.data)
+                idle += tb.data.nbytes
+            tb.data = None
+
+
+def snapshot(leaves: list[TensorLeaf], memory: int | None, buffers: Buffers) -> dict[str, TensorBases]:
+    """What a save leaves for the recode of its predecessor and for the next one: its floating
+    tensors worth a delta, by path, with a copy of their bytes while they fit in `memory` (None:
+    all of them; the rest is read back from the store)."""
+    out, kept = {}, 0
+    for leaf in leaves:
+        if not (leaf.floating and leaf.nbytes >= DELTA_MIN_BYTES):
+            continue
+        data = None
+        if memory is None or kept + leaf.nbytes <= memory:
+            data = buffers.take(leaf.nbytes)
+            np.copyto(data, leaf.bytes_view())
+            kept += leaf.nbytes
+        out[leaf.path] = TensorBases(leaf.nbytes, leaf.chunk_size, leaf.skew, list(leaf.chunks), data, group=leaf.group)
+    buffers.keep = max(buffers.keep, kept)
+    return out
 
 
 class Keeper:

@@ -35,9 +35,13 @@ class StoreOptions:
     compression_level: zstd (level 1 by default). workers: hashing and encoding threads
     (default: the CPU count; loads use twice as many). window_bytes: chunk bytes in flight
     while saving. pack_max: encoded objects up to this size share pack files. max_inflight:
-    save_async calls in flight at once. delta: code changed floating-point chunks against the
-    previous save; max_chain: how deep such chains may grow; delta_memory: bytes of the last
-    save kept in memory for that (None: all of them; the rest is read back from the store).
+    save_async calls in flight at once. delta: True (the default) writes every save whole and
+    then, in the background, re-encodes the chunks it replaced as deltas of the new ones (the
+    newest checkpoint restores at full speed; store/recode.py; stores in a bucket save whole);
+    "forward" codes each save's changed chunks against the previous save's instead (the newest
+    is the deepest); False: no deltas. max_chain: how deep such chains may grow; delta_memory:
+    bytes of the last save kept in memory for that (None: all of them; the rest is read back
+    from the store).
     cache_dir: where a bucket store's LMDB cache lives (default $CAS_CACHE_DIR, else
     ~/.cache/cas); two processes with different cache folders behave as two hosts.
     signing_key: an ed25519 private key (32 raw bytes, PEM or OpenSSH bytes, a path to such a
@@ -53,7 +57,7 @@ class StoreOptions:
     window_bytes: int = DEFAULT_WINDOW_BYTES
     pack_max: int = DEFAULT_PACK_MAX
     max_inflight: int = 1
-    delta: bool = False
+    delta: bool | str = True
     max_chain: int = DEFAULT_MAX_CHAIN
     delta_memory: int | None = None
     cache_dir: str | None = None
@@ -63,6 +67,9 @@ class StoreOptions:
         checked_level(self.compression_level)
         if self.signing_key is not None:
             object.__setattr__(self, "signing_key", signing.private_key(self.signing_key))  # refused now, not at a save
+        if self.delta not in (True, False, "forward") or type(self.delta) not in (bool, str):
+            raise CasError(f'delta must be True (the newest checkpoint whole, older ones recoded as deltas of newer '
+                           f'ones), False (no deltas) or "forward" (each save a delta of the last), got {self.delta!r}')
         if type(self.max_chain) is not int or not 0 <= self.max_chain <= MAX_CHAIN_DECODE:
             # chains deeper than MAX_CHAIN_DECODE are refused on restore, as cycles
             raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {self.max_chain!r}")

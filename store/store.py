@@ -31,6 +31,7 @@ from .commit import SaveRecord, commit_save
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
 from .reader import CheckpointReader
+from .recode import Recoder, bases_of_checkpoint
 from .records import RecordLog
 from .registry import Checkpoint, Registry, exists_error, remove_change, set_change
 from .restore import RestoredState, first_sound, restore as restore_targets
@@ -106,6 +107,8 @@ class CheckpointStore:
         # the last save's floating tensors; None until the first delta save of this open store
         self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
+        self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
+        self._recoder = Recoder(self.objects, self._workers)  # reverse deltas, after each commit
         self._closed = False
 
     # --- the index: a cache of the store -------------------------------------------------
@@ -187,6 +190,7 @@ class CheckpointStore:
         finally:
             self._closed = True
             self._background.shutdown()
+            self._recoder.shutdown()
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._read_pool.shutdown(wait=True)
@@ -231,9 +235,16 @@ class CheckpointStore:
         return self._background.submit(step, job.leaves, lambda: self._write(job))
 
     def wait(self) -> None:
-        """Block until every in-flight save is done; raise a failure nobody has looked at."""
+        """Block until every in-flight save is done, and the re-encoding of the checkpoints they
+        replaced as deltas (store/recode.py); raise a failure nobody has looked at."""
         self._background.wait()
+        self.wait_recoding()
         self._raise_unobserved()
+
+    def wait_recoding(self) -> None:
+        """Block until the checkpoints replaced by this store's saves so far are re-encoded as
+        deltas of the newer ones (store/recode.py); failures there only warn (nothing is lost)."""
+        self._recoder.wait()
 
     def _raise_unobserved(self) -> None:
         self._check_open()
@@ -265,12 +276,59 @@ class CheckpointStore:
                        f"{getattr(exc, 'strerror', None) or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
-        if not self.delta:
+        if not self.delta or (self.delta is True and not self.location.local):
+            # (a bucket: recoding would need the move in its record log, not built: saves stay whole)
             return self._commit_job(job, {})
+        if self.delta == "forward":  # changed chunks coded against the last save's (the newest is a delta)
+            with self._delta_lock:
+                if self._bases is None:
+                    self._bases = self._latest_bases()
+                return self._commit_job(job, self._bases,
+                                        lambda written: self._remember_bases(job.leaves, written))
         with self._delta_lock:
             if self._bases is None:
-                self._bases = self._latest_bases()
-            return self._commit_job(job, self._bases, lambda written: self._remember_bases(job.leaves, written))
+                self._bases = self._latest_recode_bases()
+            # the bytes are copied while the nodes are written, unless a recode is still running
+            # (then the next one reads this save's chunks back: memory stays at two saves' worth)
+            memory = self.delta_memory if not self._recoder.busy() else 0
+            current: dict[str, delta_bases.TensorBases] = {}
+            previous = self._bases
+            ck = self._commit_job(job, {}, lambda _: current.update(
+                delta_bases.snapshot(job.leaves, memory, self._buffers)))
+            failed = self._bases is None  # the copies failed (out of memory?): the next save reads keys back
+            self._bases = None if failed else current
+            if job.replacing or failed:  # (replacing: the previous chunks at this step are garbage now)
+                self._buffers.give(previous)
+            else:
+                self._recoder.submit(previous, current, self.max_chain, f"the checkpoint before step {job.step}",
+                                     released=self._buffers.give)
+            return ck
+
+    def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
+        """For the first save after the store was opened: the latest checkpoint's chunk keys with
+        their chains (recode.bases_of_checkpoint); empty when there is none."""
+        latest = self.latest()
+        try:
+            return bases_of_checkpoint(self, latest, self.max_chain) if latest is not None else {}
+        except CasError:  # a damaged manifest is verify's to report: nothing is recoded against it
+            return {}
+
+    def recode_before(self, ck: Checkpoint) -> None:
+        """Re-encode, in the background, the checkpoint committed before `ck` as deltas of `ck`
+        (a DCP coordinator's commit: its ranks wrote whole chunks); reads both from the store."""
+        if not self.location.local or self.readonly:
+            return
+        with self._delta_lock:
+            try:
+                older = max((c for c in self.checkpoints() if c.seq < ck.seq), key=lambda c: c.seq, default=None)
+                if older is None:
+                    return
+                previous = bases_of_checkpoint(self, older, self.max_chain)
+                current = delta_bases.from_nodes(
+                    [(p, leaf.node) for p, leaf in self.reader(ck.step).tensor_leaves().items()])
+            except CasError:
+                return
+            self._recoder.submit(previous, current, self.max_chain, f"step {older.step} against step {ck.step}")
 
     def _latest_bases(self) -> dict[str, delta_bases.TensorBases]:
         """Bases for the first delta save after the store was opened (a resumed run): the chunk

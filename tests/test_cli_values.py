@@ -133,8 +133,8 @@ def test_cat_prints_a_value_a_tensor_summary_or_what_is_under_a_key(trained, cli
 
 @pytest.fixture
 def with_garbage(tmp_path):
-    """Deltas (so some objects are kept only as bases), then a checkpoint deleted (its own objects
-    are garbage until gc)."""
+    """Deltas (older checkpoints recoded against newer ones, so deleting the newest leaves its
+    chunks kept only as bases), then checkpoints deleted (their own objects are garbage until gc)."""
     path = tmp_path / "store"
     g = torch.Generator().manual_seed(1)
     w = torch.randn(128, 256, generator=g)
@@ -143,7 +143,8 @@ def with_garbage(tmp_path):
             w = w + 1e-4 * torch.randn(128, 256, generator=g)
             store.save({"model": {"w": w, "b": torch.zeros(8)}, "step": step, "note": f"s{step}"}, step=step)
         store.save({"other": torch.randn(64, 64, generator=g)}, step=4)
-        store.delete([1, 4])
+        store.wait()
+        store.delete([3, 4])
     return path
 
 

@@ -85,7 +85,7 @@ def _drifting_delta_store(path, steps: int = 3):
     """A delta store whose step k>0 chunks are deltas of step k-1's (64 KiB chunks, files)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 256, generator=g)
-    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True)
+    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta="forward")
     for step in range(steps):
         store.save({"w": w}, step=step)
         w = w + 1e-4 * torch.randn(w.shape, generator=g)

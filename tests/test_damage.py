@@ -152,7 +152,7 @@ def test_a_save_does_not_reuse_a_file_whose_header_is_damaged(store, state, offs
 def test_delta_saves_code_nothing_against_a_damaged_base_kept_in_memory(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta="forward") as store:
         store.save({"w": w}, step=1)
         base = _chunk(store, 1, "w")
         _flip(store.objects.files.path(base))
@@ -166,7 +166,7 @@ def test_delta_saves_code_nothing_against_a_damaged_base_kept_in_memory(tmp_path
 def test_delta_saves_code_nothing_against_a_delta_whose_base_is_damaged(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta="forward") as store:
         store.save({"w": w}, step=1)
         store.save({"w": w + 1e-4}, step=2)
         base, delta = _chunk(store, 1, "w"), _chunk(store, 2, "w")
@@ -185,11 +185,11 @@ def test_a_reused_delta_whose_base_is_damaged_is_written_again(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
     path = tmp_path / "s"
-    with cas.open(path, chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(path, chunk_size=256 << 10, pack_max=4096, delta="forward") as store:
         store.save({"w": w}, step=1)
         store.save({"w": w + 1e-4}, step=2)
         base = _chunk(store, 1, "w")
-    with cas.open(path, delta=True) as store:  # a restarted run: nothing in memory
+    with cas.open(path, delta="forward") as store:  # a restarted run: nothing in memory
         _flip(store.objects.files.path(base))
         assert store.verify().damaged_steps == [1, 2]
         store.delete(1)

@@ -61,7 +61,7 @@ def test_any_chain_of_states_restores_bit_for_bit_also_after_gc(tmp_path_factory
     torch.manual_seed(0)
     t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
     history, prev = {}, None
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=3,
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta="forward", max_chain=3,
                   delta_memory=memory) as store:
         for step, spec in enumerate(chain):
             t, prev = next_state(t, prev, *spec), t
@@ -87,7 +87,7 @@ def _records(store):
 def test_small_changes_are_stored_as_deltas_and_chains_are_bounded(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True, max_chain=3) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward", max_chain=3) as store:
         sizes = []
         for step in range(9):
             w = w + 1e-4 * torch.randn_like(w)
@@ -107,7 +107,7 @@ def test_small_changes_are_stored_as_deltas_and_chains_are_bounded(tmp_path):
 
 def test_deltas_are_not_used_where_they_lose(tmp_path):
     """Random data changed entirely: the sample says the delta is no smaller, so full objects."""
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         store.save({"w": torch.randn(256, 1024)}, step=1)
         store.save({"w": torch.randn(256, 1024)}, step=2)
         assert all(r.base is None for r in _records(store).values())
@@ -116,7 +116,7 @@ def test_deltas_are_not_used_where_they_lose(tmp_path):
 def test_a_missing_base_is_reported_for_every_checkpoint_that_needs_it(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, pack_max=4096, delta="forward") as store:
         store.save({"w": w}, step=1)
         store.save({"w": w + 1e-4}, step=2)
         base_key = store.tensors(1)[0]["chunks"][0]
@@ -133,7 +133,7 @@ def test_a_missing_base_is_reported_for_every_checkpoint_that_needs_it(tmp_path)
 def test_async_saves_use_deltas_too(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         store.save_async({"w": w}, step=1).result()
         w.add_(1e-5)
         ck = store.save_async({"w": w}, step=2).result()
@@ -142,7 +142,7 @@ def test_async_saves_use_deltas_too(tmp_path):
 
 
 def test_integer_tensors_are_never_deltas(tmp_path):
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         a = torch.arange(1 << 17, dtype=torch.int64)
         store.save({"a": a}, step=1)
         store.save({"a": a + 1}, step=2)
@@ -160,7 +160,7 @@ def test_deltas_are_integer_differences_and_smaller_than_xor_on_float_drift(tmp_
     sub = CodecPolicy().encode(raw, 4, (hash_bytes(base), base))
     xor = CodecPolicy()._pack(np.bitwise_xor(raw, base), 4)
     assert sub.base is not None and sub.size < 0.95 * len(xor)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         store.save({"w": w}, step=1)
         store.save({"w": w2}, step=2)
         key = store.tensors(2)[0]["chunks"][0]
@@ -189,7 +189,7 @@ def test_repair_rebuilds_delta_records_and_gc_still_keeps_bases(tmp_path):
     torch.manual_seed(0)
     big, small = torch.randn(256, 1024), torch.randn(64, 1024)
     path = tmp_path / "s"
-    with cas.open(path, chunk_size=256 << 10, pack_max=64 << 10, delta=True, max_chain=3) as store:
+    with cas.open(path, chunk_size=256 << 10, pack_max=64 << 10, delta="forward", max_chain=3) as store:
         for step in range(4):
             big, small = big + 1e-5 * torch.randn_like(big), small + 1e-7
             store.save({"big": big, "small": small}, step=step)
@@ -212,7 +212,7 @@ def test_a_base_shared_by_several_chunks_is_decoded_once_per_load(tmp_path, monk
     deltas of that one base, which the load reads and decodes once."""
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         store.save({"a": w, "b": w.clone()}, step=1)
         a2, b2 = w + 1e-4, w - 1e-4
         store.save({"a": a2, "b": b2}, step=2)
@@ -233,7 +233,7 @@ def test_the_delta_decision_samples_the_whole_chunk_not_its_start(tmp_path):
     w = torch.randn(256, 1024, generator=g)
     w2 = w + 1e-4 * torch.randn(w.shape, generator=g)
     w2[:16] = torch.randn(16, 1024, generator=g)  # 16 rows = the first 64 KiB
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         store.save({"w": w}, step=1)
         ck = store.save({"w": w2}, step=2)
         assert _records(store)[store.tensors(2)[0]["chunks"][0]].base is not None
@@ -247,7 +247,7 @@ def test_gc_keeps_the_chain_below_an_object_a_writer_holds(tmp_path):
     save about to commit would reference a broken chain."""
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True, max_chain=4) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward", max_chain=4) as store:
         for step in range(3):
             w = w + 1e-4 * torch.randn_like(w)
             store.save({"w": w}, step=step)
@@ -269,7 +269,7 @@ def test_a_cycle_of_bases_in_a_damaged_index_is_refused(tmp_path):
     from dataclasses import replace
     torch.manual_seed(0)
     w = torch.randn(256, 1024)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         store.save({"w": w}, step=1)
         store.save({"w": w + 1e-4}, step=2)
         top = store.tensors(2)[0]["chunks"][0]
@@ -284,7 +284,7 @@ def test_float8_chunks_are_deltas_too(tmp_path):
     """One-byte floats are not byte-grouped, but their differences are as small as bf16's."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 4096, generator=g)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         first = store.save({"w": w.to(torch.float8_e4m3fn)}, step=1)
         drifted = (w * 1.01).to(torch.float8_e4m3fn)
         second = store.save({"w": drifted}, step=2)
@@ -301,7 +301,7 @@ def test_bounded_delta_memory_codes_the_same_deltas_from_bases_read_back(tmp_pat
     stored, reads = {}, {}
     for memory in (None, 1 << 20, 0):
         w = [t.clone() for t in start]
-        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta=True, max_chain=2,
+        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta="forward", max_chain=2,
                       delta_memory=memory) as store:
             calls = []
             get = store.objects.get
@@ -327,7 +327,7 @@ def test_bounded_delta_memory_codes_the_same_deltas_from_bases_read_back(tmp_pat
 def test_delta_memory_must_be_a_byte_count(tmp_path):
     for bad in (-1, 1.5, "1G"):
         with pytest.raises(cas.CasError, match="delta_memory"):
-            cas.open(tmp_path / "s", delta=True, delta_memory=bad)
+            cas.open(tmp_path / "s", delta="forward", delta_memory=bad)
 
 
 def test_the_first_delta_save_after_reopening_codes_against_the_latest_checkpoint(tmp_path):
@@ -335,11 +335,11 @@ def test_the_first_delta_save_after_reopening_codes_against_the_latest_checkpoin
     first save reads the latest checkpoint's chunks back as bases."""
     torch.manual_seed(0)
     w = {"w": torch.randn(256, 1024), "m": torch.randn(128, 1024).to(torch.bfloat16), "i": torch.arange(50000)}
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         first = store.save(w, step=1)
         before = {k for t in store.tensors(1) for k in t["chunks"]}
     w = {"w": w["w"] + 1e-4 * torch.randn_like(w["w"]), "m": (w["m"].float() + 1e-3).to(torch.bfloat16), "i": w["i"]}
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         second = store.save(w, step=2)
         records = _records(store)
         coded = {t["path"]: [records[k].base in before for k in t["chunks"]] for t in store.tensors(2)}
@@ -370,7 +370,7 @@ def test_steady_motion_is_coded_as_linear_deltas_smaller_than_plain_ones(tmp_pat
     the base's own motion (`linear`): smaller than the plain difference, restored bit for bit,
     whether the base's base was kept in memory (None) or read back (0)."""
     states = _trajectory(6)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True, max_chain=4, delta_memory=memory) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward", max_chain=4, delta_memory=memory) as store:
         sizes = [store.save({"w": w, "h": w.to(torch.bfloat16)}, step=step).new_bytes
                  for step, w in enumerate(states)]
         codecs = {step: {store.objects.codec_of(k) for t in store.tensors(step) for k in t["chunks"]}
@@ -393,7 +393,7 @@ def test_linear_deltas_are_the_same_with_bases_in_memory_or_read_back(tmp_path):
     states = _trajectory(5, seed=3)
     stored = {}
     for memory in (None, 0):
-        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta=True, delta_memory=memory) as store:
+        with cas.open(tmp_path / f"s{memory}", chunk_size=256 << 10, delta="forward", delta_memory=memory) as store:
             stored[memory] = [store.save({"w": w}, step=step).new_bytes for step, w in enumerate(states)]
     assert stored[None] == stored[0]
 
@@ -404,7 +404,7 @@ def test_a_failed_save_leaves_the_next_linear_delta_correct(tmp_path):
     from the latest committed checkpoint, coding correct linear deltas against it."""
     from cas import faults
     states = _trajectory(5, seed=4)
-    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=256 << 10, delta="forward") as store:
         for step in range(3):
             store.save({"w": states[step]}, step=step)
         faults.configure("commit.synced=raise")  # before its record log entry: nothing is committed
@@ -426,7 +426,7 @@ def test_a_linear_delta_over_a_base_shared_by_chunks_decodes_from_its_chain(tmp_
     from the one shared base. A load decodes that base once for both, but the linear level
     above also needs the base's base, which it then decodes from the bottom of the chain."""
     states = _trajectory(3, seed=5)
-    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=1 << 20, delta="forward") as store:
         store.save({"a": states[0], "b": states[0].clone()}, step=0)
         store.save({"a": states[1], "b": states[1].clone()}, step=1)
         a2, b2 = states[2], states[2] + 1e-7 * torch.sign(states[2])
@@ -466,7 +466,7 @@ def test_a_swept_base_whose_bytes_return_later_in_the_same_save_is_written(tmp_p
     referenced a missing object)."""
     torch.manual_seed(0)
     x = torch.randn(64 << 10)  # 4 chunks of 64 KiB
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, window_bytes=128 << 10) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta="forward", window_bytes=128 << 10) as store:
         store.save({"a": x}, step=1)
         store.delete(1)
         store.gc()
@@ -481,9 +481,9 @@ def test_max_chain_is_bounded_by_the_depth_restore_follows(tmp_path):
     """Restore refuses chains deeper than 64 as cycles, so a deeper bound is refused up front
     (it used to commit checkpoints no restore could read)."""
     with pytest.raises(cas.CasError, match="max_chain must be an int from 0 to 64"):
-        cas.open(tmp_path / "refused", delta=True, max_chain=65)
+        cas.open(tmp_path / "refused", delta="forward", max_chain=65)
     w, states = torch.randn(16 << 10), []
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, max_chain=64) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta="forward", max_chain=64) as store:
         for step in range(67):
             w = w + 1e-5 * torch.randn_like(w)
             states.append(w.clone())
@@ -508,7 +508,7 @@ def test_restore_into_tied_weights_decodes_their_memory_once(tmp_path):
     torch.manual_seed(0)
     model = _TiedEmbedding()
     motion = 1e-3 * torch.randn_like(model.emb.weight)
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta=True, workers=2) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, delta="forward", workers=2) as store:
         for step in range(5):
             with torch.no_grad():
                 model.emb.weight.add_(motion + 1e-5 * torch.randn_like(motion))
@@ -525,7 +525,7 @@ def test_a_rollback_over_a_lost_base_file_codes_no_cycle_of_bases(tmp_path):
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(128, 256, generator=g)
     w2 = w1 + 1e-4 * torch.randn(128, 256, generator=g)
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, delta="forward") as store:
         store.save({"w": w1}, step=1)
         store.save({"w": w2}, step=2)
         os.unlink(store.objects.files.path(store.tensors(1)[0]["chunks"][0]))

@@ -165,7 +165,7 @@ def test_a_sweep_stopped_in_any_batch_leaves_no_delta_file_without_its_base(tmp_
     while True:
         k += 1
         path = tmp_path / f"s{k}"
-        with cas.open(path, chunk_size=64 << 10, pack_max=0, delta=True, max_chain=2) as store:
+        with cas.open(path, chunk_size=64 << 10, pack_max=0, delta="forward", max_chain=2) as store:
             store.save({"w": states[0]}, step=1)
             store.save({"w": states[1]}, step=2)
             store.delete([1, 2])
@@ -196,7 +196,7 @@ def test_two_writers_of_the_same_new_object_never_mix_one_file_and_the_other_rec
     different writers no longer decoded, and a writer killed in between broke the other's
     committed checkpoint. Names are settled inside the commit transaction now."""
     path, flag = tmp_path / "s", str(tmp_path / "go")
-    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True)
+    store = cas.open(path, chunk_size=64 << 10, pack_max=4096, delta="forward")
     try:
         store.save({"t": tensor(7)}, step=1)
         faults_spec = f"save.nodes_written=pause:{flag},commit.synced=kill" if killed else f"commit.synced=pause:{flag}"
@@ -248,7 +248,7 @@ def test_a_pack_entry_never_replaces_another_writers_committed_record(tmp_path):
     delta and coded a `linear` delta over it: the committed record (its base, its depth, which
     the linear level above reads) stays; the late pack entry is dropped."""
     path, flag = tmp_path / "s", str(tmp_path / "go")
-    with cas.open(path, chunk_size=256 << 10, delta=True) as store:
+    with cas.open(path, chunk_size=256 << 10, delta="forward") as store:
         store.save({"w": trajectory(0)}, step=0)
         child = spawn("save_packed", path, 100, 1, faults=f"commit.synced=pause:{flag}")
         wait_reached(flag, child)  # it claimed trajectory(1)'s chunk (absent) and packed it whole
@@ -268,7 +268,7 @@ def test_a_writer_whose_objects_another_committed_first_keeps_theirs_and_leaves_
     process's copies must not stay behind in tmp/ (gc spares a live process's files)."""
     import threading
     path, flag = tmp_path / "s", str(tmp_path / "go")
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=True) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta="forward") as store:
         store.save({"t": tensor(7)}, step=1)
         faults.configure(f"save.nodes_written=pause:{flag}")
         errors: list = []
@@ -326,7 +326,7 @@ def test_repair_indexes_the_live_copy_not_a_dead_delta_entry_a_killed_gc_left_in
     path = tmp_path / "s"
     with cas.open(path, chunk_size=64 << 10) as store:
         store.save({"w": trajectory(0)}, step=1)
-    with cas.open(path, delta=True, pack_max=1 << 30) as store:
+    with cas.open(path, delta="forward", pack_max=1 << 30) as store:
         store.save({"w": trajectory(1), "o": tensor(5, rows=4)}, step=2)  # deltas of step 1's chunks, packed
     with cas.open(path) as store:
         store.save({"o": tensor(5, rows=4)}, step=3)  # keeps step 2's pack partly live

@@ -205,7 +205,7 @@ def test_a_cycle_of_bases_in_the_index_makes_the_next_save_write_whole(tmp_path)
     chains' roots writes those chunks whole (verify reports the damage) instead of failing."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 256, generator=g)
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, delta=True, max_chain=1) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096, delta="forward", max_chain=1) as store:
         store.save({"w": w}, step=1)
         store.save({"w": w + 1e-4}, step=2)
         for key in store.tensors(2)[0]["chunks"]:

@@ -100,7 +100,7 @@ def test_only_missing_objects_travel(src, tmp_path):
 
 
 def test_delta_chains_travel_with_their_bases(tmp_path):
-    with cas.open(tmp_path / "src", delta=True, **OPTS) as src:
+    with cas.open(tmp_path / "src", delta="forward", **OPTS) as src:
         s = state(1)
         for step in range(1, 5):
             s = state(step, 1e-4, s)
@@ -136,7 +136,7 @@ def test_a_damaged_source_object_is_refused_by_name(src, tmp_path):
 
 
 def test_a_damaged_delta_base_is_named(tmp_path):
-    with cas.open(tmp_path / "src", delta=True, **OPTS) as src:
+    with cas.open(tmp_path / "src", delta="forward", **OPTS) as src:
         s = state(1)
         for step in (1, 2):
             s = state(step, 1e-4, s)

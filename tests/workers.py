@@ -22,7 +22,7 @@ def state_of(seeds: list[int]) -> dict:
 
 
 def save(path: str, step: int, seeds: str) -> None:
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=False) as store:
         store.save(state_of([int(s) for s in seeds.split("+")]), step=step)
 
 
@@ -33,7 +33,7 @@ def nudged(seed: int) -> torch.Tensor:
 
 def save_nudged(path: str, step: int, seed: int) -> None:
     """Save {"t": nudged(seed)} without deltas: whole objects, another encoding of the same keys."""
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=False) as store:
         store.save({"t": nudged(seed)}, step=step)
 
 
@@ -51,24 +51,24 @@ def trajectory(i: int) -> torch.Tensor:
 
 def save_packed(path: str, step: int, i: int) -> None:
     """Save {"w": trajectory(i)} whole with every object in a pack (pack_max huge)."""
-    with cas.open(path, chunk_size=256 << 10, pack_max=1 << 30) as store:
+    with cas.open(path, chunk_size=256 << 10, pack_max=1 << 30, delta=False) as store:
         store.save({"w": trajectory(i)}, step=step)
 
 
 def save_async(path: str, step: int, seeds: str) -> None:
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=False) as store:
         store.save_async(state_of([int(s) for s in seeds.split("+")]), step=step).result()
 
 
 def gc(path: str, keep_last: str = "") -> None:
-    with cas.open(path, chunk_size=64 << 10) as store:
+    with cas.open(path, chunk_size=64 << 10, delta=False) as store:
         report = store.gc(keep_last=int(keep_last)) if keep_last else store.gc()
         print(report.objects_swept, report.freed_bytes)
 
 
 def save_loop(path: str, first: int, count: int) -> None:
     """Save `count` steps, each reusing tensors of earlier steps (seeds overlap)."""
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=False) as store:
         print("ready", flush=True)  # past interpreter start-up and the open: the saves begin
         for step in range(first, first + count):
             store.save(state_of([step % 5, step % 7 + 10, step]), step=step)
@@ -81,7 +81,7 @@ def load_loop(path: str, seconds: str) -> None:
 
     deadline = time.monotonic() + float(seconds)
     loads = 0
-    with cas.open(path, create=False) as store:
+    with cas.open(path, create=False, delta=False) as store:
         while time.monotonic() < deadline:
             ck = store.latest()
             if ck is None:
@@ -96,7 +96,7 @@ def load_loop(path: str, seconds: str) -> None:
 
 def load_all(path: str) -> None:
     """Open (read-only when the files say so) and load every checkpoint."""
-    with cas.open(path, create=False) as store:
+    with cas.open(path, create=False, delta=False) as store:
         for ck in store.checkpoints():
             store.load(ck.step)
         print(len(store.checkpoints()), store.readonly)
@@ -104,14 +104,14 @@ def load_all(path: str) -> None:
 
 def open_only(path: str) -> None:
     """Open the store (rebuilding its cache if it must) and print its steps."""
-    with cas.open(path, create=False) as store:
+    with cas.open(path, create=False, delta=False) as store:
         print(",".join(str(ck.step) for ck in store.checkpoints()))
 
 
 def hold_lease(path: str, purpose: str) -> None:
     """Open a write session (a barrier one when the purpose says so) and wait to be killed."""
     import time
-    with cas.open(path, create=False) as store:
+    with cas.open(path, create=False, delta=False) as store:
         session = store.objects.session(purpose)
         print("held", flush=True)
         time.sleep(600)

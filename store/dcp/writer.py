@@ -186,12 +186,13 @@ class CasWriter(StorageWriter):
         if "dcp" in self.meta:
             raise CasError('meta key "dcp" is reserved for the world size and sharding of a DCP save')
         self.workers = self.options.worker_count(cap=8)
-        self.delta = self.options.delta
+        self.delta = self.options.delta == "forward"  # ranks code against their previous save (store/dcp/bases.py)
+        self.recode = self.options.delta is True  # ranks write whole; the coordinator recodes the previous save
         self.max_chain = self.options.max_chain
         self.delta_memory = self.options.delta_memory
         if self.delta and self.in_bucket:
-            raise CasError(f"DCP delta saves into a bucket store ({self.path}) are not supported yet: a rank "
-                           "would read its bases back from segments; save with delta=False")
+            raise CasError(f'DCP delta="forward" saves into a bucket store ({self.path}) are not supported: a rank '
+                           "would read its bases back from segments; save with delta=True or False")
         self.is_coordinator = False
         self.checkpoint: Checkpoint | None = None  # on the coordinator, once committed
         self._pending: PendingCommit | None = None
@@ -348,6 +349,8 @@ class CasWriter(StorageWriter):
         try:
             faults.point("dcp.finish")
             self.checkpoint = self._commit(pending, metadata, results)
+            if self.recode:  # in the store's background (a store opened here waits for it when closed)
+                pending.store.recode_before(self.checkpoint)
         finally:
             self.abort()
         pending.store.after_commit(self.checkpoint)  # retention of a store opened with one, as after save()

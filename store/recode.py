@@ -1,0 +1,229 @@
+"""Reverse deltas: the newest checkpoint stays whole, older ones become deltas of newer ones.
+
+A resume restores the newest checkpoint, so that one must decode at full speed; old ones are
+read rarely. As git's packs store the newest version of a file whole and older versions as
+deltas against newer ones, a save writes every changed chunk whole and, once it has committed,
+a background job re-encodes the chunks it replaced (the previous save's chunk at the same
+position of the same tensor) as deltas of the new ones. An object's key names its raw content,
+so nothing that names it changes: only its index record moves, in one transaction, to the new
+encoding (WriteSession.write_recoded), which is written into a pack first; its old file is
+removed after that commit (a crash in between leaves a superseded file, which gc removes).
+
+Chains stay bounded: each position keeps the chain of older chunks that ends in its current
+chunk (`TensorBases.tails`); a chunk whose chain would grow past `max_chain` stays whole (a
+keyframe), and so does one whose chain is unknown (the first save after a store was opened).
+A chain only ever ends in a full object (a recode codes a full object against a full object,
+re-checked inside the commit), so it never loops; gc keeps a base while a delta names it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cas import faults
+from cas.codecs import scratch
+from cas.errors import CasError
+from cas.index import WHERE_PACK
+
+from .bases import TensorBases, from_nodes
+from .tree import chunk_spans
+
+LOW_PRIORITY = 10  # nice value of the recode threads: training and saves come first
+
+
+@dataclass
+class Pair:
+    """One chunk of an older checkpoint (`key`) and the chunk that replaced it (`base`)."""
+
+    key: bytes
+    base: bytes
+    group: int
+    raw: np.ndarray | None  # the older chunk's bytes, when kept in memory
+    base_raw: np.ndarray | None
+    tail: list  # the older chunks whose chain ends in `key`, nearest first
+    where: tuple  # (new TensorBases, chunk index): whose tail this recode sets
+
+
+def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_chain: int) -> list[Pair]:
+    """The pairs worth recoding from the previous save to the current one, and each current
+    position's tail (what is known before the recode: an unchanged chunk keeps its chain, a
+    changed one starts with none until its recode stands)."""
+    pairs: list[Pair] = []
+    for path, cur in current.items():
+        cur.tails = [[] for _ in cur.keys]
+        prev = previous.get(path)
+        if prev is None or not prev.matches(cur.nbytes, cur.chunk_size, cur.skew) or len(prev.keys) != len(cur.keys):
+            continue
+        spans = list(chunk_spans(cur.nbytes, cur.chunk_size, cur.skew))
+        for i, (x, y) in enumerate(zip(prev.keys, cur.keys)):
+            tail = prev.tails[i] if prev.tails is not None else None
+            if x == y:
+                cur.tails[i] = list(tail or [])
+                continue
+            if tail is None or len(tail) + 1 > max_chain:
+                continue  # unknown chain, or a full one: the older chunk stays whole
+            start, end = spans[i]
+            pairs.append(Pair(x, y, cur.group,
+                              prev.data[start:end] if prev.data is not None else None,
+                              cur.data[start:end] if cur.data is not None else None, tail, (cur, i)))
+    return pairs
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
+    except (AttributeError, OSError):  # not Linux: threads share the process's priority
+        pass
+
+
+class Recoder:
+    """Runs recodes in the background, one at a time in commit order, on low-priority threads."""
+
+    def __init__(self, objects, workers: int) -> None:
+        self.objects = objects
+        self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-recode",
+                                        initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-recode-w",
+                                        initializer=_lower_priority)
+        self._pending: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+        self.recoded = 0  # objects made deltas so far (for tests and `bench`)
+
+    def busy(self) -> bool:
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            return bool(self._pending)
+
+    def submit(self, previous: dict, current: dict, max_chain: int, label: str,
+               released=None) -> concurrent.futures.Future:
+        """Recode `previous`'s replaced chunks against `current`'s, after what is queued;
+        `released(previous)` runs when done (its buffers may be reused)."""
+        def run() -> None:
+            try:
+                self.recoded += recode(self.objects, plan(previous, current, max_chain), self._pool, label)
+            except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
+                for cur in current.values():
+                    cur.tails = [[] for _ in cur.keys]
+                warnings.warn(f"cas: re-encoding {label} as deltas failed, its chunks stay whole "
+                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=1)
+            finally:
+                if released is not None:
+                    released(previous)
+        future = self._jobs.submit(run)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def wait(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending)
+
+    def shutdown(self) -> None:
+        self.wait()
+        self._jobs.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+
+def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> int:
+    """Re-encode each pair's older chunk as a delta of its newer one in one write session;
+    returns how many the commit indexed. Their tails are set for the next recode."""
+    if not pairs:
+        return 0
+    with objects.session(f"recode {label}") as session:
+        stored = session.hold([p.key for p in pairs] + [p.base for p in pairs])
+        present = dict(zip([p.key for p in pairs] + [p.base for p in pairs], stored))
+        seen: set[bytes] = set()
+        todo = []
+        for p in pairs:
+            if present[p.key] and present[p.base] and p.key not in seen and p.key != p.base \
+                    and session.depth(p.key) == 0 and session.depth(p.base) == 0:
+                seen.add(p.key)
+                todo.append(p)
+        written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p), todo)) if ok]
+        faults.point("recode.encoded")
+        by_key = {p.key: p for p in written}
+
+        def finish(txn) -> set[bytes]:
+            for key in session.recoded:  # the older chunks below it are one level deeper now
+                for depth, below in enumerate(by_key[key].tail, start=2):
+                    rec = objects.index.record(txn, below)
+                    if rec is not None and rec.base is not None and rec.depth != depth:
+                        objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
+            return set(session.recoded)
+
+        settled = session.commit(finish) if written else set()
+    faults.point("recode.committed")
+    for key in settled:
+        p = by_key[key]
+        cur, i = p.where
+        cur.tails[i] = [p.key] + p.tail
+    _remove_superseded(objects, settled)
+    return len(settled)
+
+
+def _recode_one(objects, session, p: Pair) -> bool:
+    """Encode one older chunk as a delta of its newer one; False when that is not smaller by
+    the codec's margin (it stays whole)."""
+    n = objects.record(p.key).raw_size
+    raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
+    base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+    enc = objects.codec.encode(raw, p.group, (p.base, base))
+    if enc.base is None:
+        return False
+    session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
+    return True
+
+
+def _remove_superseded(objects, keys) -> None:
+    """Remove the files of objects whose records now place them in a pack (readers that looked
+    a file up before the move look again when it is gone: ObjectStore.fetch)."""
+    removed = False
+    for key in keys:
+        rec = objects.record(key)
+        if rec is not None and rec.where == WHERE_PACK and objects.files.has(key) is not None:
+            objects.files.delete(key)
+            removed = True
+    if removed:
+        objects.files.sync()
+    faults.point("recode.files_removed")
+
+
+def bases_of_checkpoint(store, ck, max_chain: int) -> dict[str, TensorBases]:
+    """Keys-only bases of checkpoint `ck`'s floating tensors, each chunk's tail read from the
+    checkpoints before it (commit order) and the index: the chunk at the same position one
+    checkpoint back is in the tail while its record names the chunk above it as its base. What a
+    reopened store (or a DCP coordinator, which keeps nothing between saves) recodes from."""
+    current = from_nodes([(p, leaf.node) for p, leaf in store.reader(ck.step).tensor_leaves().items()])
+    older = sorted((c for c in store.checkpoints() if c.seq < ck.seq), key=lambda c: c.seq, reverse=True)
+    history = []
+    for c in older[:max_chain]:
+        try:
+            history.append({p: leaf.node for p, leaf in store.reader(c.step).tensor_leaves().items()})
+        except CasError:  # a damaged manifest is verify's to report: the chains known stop here
+            break
+    for path, cur in current.items():
+        cur.tails = []
+        for i, key in enumerate(cur.keys):
+            tail, above = [], key
+            for nodes in history:
+                node = nodes.get(path)
+                if node is None or node["nbytes"] != cur.nbytes or len(node["chunks"]) != len(cur.keys):
+                    break
+                below = node["chunks"][i]
+                if below == above:
+                    continue
+                rec = store.objects.record(below)
+                if rec is None or rec.base != above:
+                    break
+                tail.append(below)
+                above = below
+            cur.tails.append(tail)
+    return current
