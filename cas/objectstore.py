@@ -36,6 +36,7 @@ from .packs import PACK_HEADER, PACK_TARGET, PackEntry, PackFiles
 
 T = TypeVar("T")
 DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
+RECHAIN_ATTEMPTS = 3  # decodes of an object along a chain looked up again because it moved meanwhile
 
 
 _local = threading.local()
@@ -119,11 +120,18 @@ class ObjectStore:
         wrong result, which that check refuses); only then is the chain decoded again with
         every level checked, to name the damaged object."""
         chain = chain or self.chain(key)
-        try:
-            return self._decode_chain(chain, out, verify=verify, check_each=False, decoded=decoded or {})
-        except CorruptionError:
-            if len(chain) == 1 or not verify:
-                raise
+        for attempt in range(RECHAIN_ATTEMPTS):
+            try:
+                return self._decode_chain(chain, out, verify=verify, check_each=False, decoded=decoded or {})
+            except CorruptionError:
+                # a recode (store/recode.py) may have moved an object of the chain to a delta
+                # encoding since the chain was looked up: decode along the chain the index has now
+                fresh = self.chain(key)
+                if fresh == chain:
+                    break
+                chain = fresh
+        if len(chain) == 1 or not verify:
+            return self._decode_chain(chain, out, verify=verify, check_each=False, decoded={})
         return self._decode_chain(chain, out, verify=True, check_each=True, decoded={})
 
     def chain(self, key: bytes) -> list[bytes]:

@@ -246,6 +246,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
         if progress:
             progress("sweep", done, len(todo))
     if report.deferred is None:
+        _remove_superseded_files(store, report, on_disk & records.keys())
         compact_packs(store, report)
     files.sync()
     with index.read() as txn:
@@ -253,6 +254,20 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     if not waiting:  # a DCP save's ranks leave replacement files in tmp/ for its commit
         clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
+
+
+def _remove_superseded_files(store, report: GcReport, keys) -> None:
+    """Remove object files whose records place the object in a pack: a recode moved it there
+    (store/recode.py) and was stopped before it removed the file. Decided inside a write
+    transaction, so no writer is mid-way through settling one of them."""
+    index, files = store.index, store.objects.files
+    with index.write() as txn:
+        held = index.held_keys(txn)
+        for key in keys:
+            rec = index.record(txn, key)
+            if rec is not None and rec.where == WHERE_PACK and key not in held:
+                report.reclaimed_bytes += files.has(key) or 0
+                files.delete(key)
 
 
 def _held_with_bases(index, txn) -> set[bytes]:

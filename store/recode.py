@@ -152,6 +152,7 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
         by_key = {p.key: p for p in written}
 
         def finish(txn) -> set[bytes]:
+            faults.point("recode.in_txn")
             for key in session.recoded:  # the older chunks below it are one level deeper now
                 for depth, below in enumerate(by_key[key].tail, start=2):
                     rec = objects.index.record(txn, below)

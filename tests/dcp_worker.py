@@ -269,7 +269,7 @@ def scenario_delta(store: str, out: str, rank: int, world: int, res: Report) -> 
         if step == 5:  # as if every rank had restarted: no bases in memory
             dcp_bases.replace(os.path.abspath(store), None)
         results[str(step)] = saved(cdcp.save(dcp_state(model, opt, EXTRA), store, step, chunk_size=CHUNK,
-                                             delta=True, max_chain=2))
+                                             delta="forward", max_chain=2))
     res["saved"] = results
 
 

@@ -507,14 +507,14 @@ def test_a_corrupt_chunk_fails_the_load_and_verify(tmp_path):
 
 
 def test_a_dcp_save_of_chunks_stored_as_deltas_by_ordinary_saves_keeps_them_restorable(tmp_path):
-    """An ordinary save with delta=True may store a chunk as a delta against an older chunk.
+    """An ordinary save with delta="forward" may store a chunk as a delta against an older chunk.
     The DCP save of the same bytes references those objects as they are (ranks never change an
     indexed file): once the ordinary checkpoints are gone and gc has run, it still loads and
     verifies, its chunks' bases kept by gc."""
     path = tmp_path / "s"
     w1 = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
     w2 = w1 + 1e-6 * torch.randn(256, 256, generator=torch.Generator().manual_seed(6))
-    with cas.open(path, chunk_size=CHUNK, delta=True, pack_max=1024) as store:  # objects as files
+    with cas.open(path, chunk_size=CHUNK, delta="forward", pack_max=1024) as store:  # objects as files
         store.save({"w": w1}, step=1)
         store.save({"w": w2}, step=2)
         deltas = [k for k in store.tensors(2)[0]["chunks"] if store.objects.record(k).base is not None]
@@ -604,7 +604,7 @@ def test_dcp_delta_saves_survive_gc_of_the_checkpoints_that_hold_their_bases(tmp
         train(model, opt, 2, seed=step)
         refs[step] = snapshot(model, opt)
         cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
-                  chunk_size=CHUNK, delta=True, max_chain=3)
+                  chunk_size=CHUNK, delta="forward", max_chain=3)
     records = index_records(path)
     assert max(r.depth for r in records.values()) == 3
     with cas.open(path) as store:
@@ -630,10 +630,10 @@ def test_a_failed_dcp_save_never_serves_as_a_delta_base(tmp_path):
             if step == 2:
                 with pytest.raises(faults.InjectedFault):
                     cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
-                              chunk_size=CHUNK, delta=True)
+                              chunk_size=CHUNK, delta="forward")
                 continue
             cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
-                      chunk_size=CHUNK, delta=True)
+                      chunk_size=CHUNK, delta="forward")
         finally:
             faults.configure("")
         if step == 1:
@@ -686,7 +686,7 @@ def test_a_rollback_resaved_through_dcp_leaves_every_checkpoint_restorable(tmp_p
     for step, w in states.items():
         if restarted and step == 4:
             cdcp.bases.replace(os.path.abspath(path), None)  # a new process: bases seeded, read back
-        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward")
     assert [s for s, w in states.items() if not _loads_bit_for_bit(path, s, w)] == []
     with cas.open(path, readonly=True) as store:
         assert store.verify().ok
@@ -701,7 +701,7 @@ def test_a_failed_dcp_save_changes_no_file_of_committed_checkpoints(tmp_path):
     path = str(tmp_path / "s")
     states = _rolled_back_states()
     for step in (1, 2, 3):
-        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward")
     with cas.open(path, readonly=True) as store:
         before = {k: open(store.objects.files.path(k), "rb").read() for k in store.objects.files.iterate()}
     for delta in (True, False):
@@ -714,7 +714,7 @@ def test_a_failed_dcp_save_changes_no_file_of_committed_checkpoints(tmp_path):
     with cas.open(path, readonly=True) as store:
         assert {k: open(store.objects.files.path(k), "rb").read() for k in before} == before
     assert [s for s in (1, 2, 3) if not _loads_bit_for_bit(path, s, states[s])] == []
-    cdcp.save({"w": states[4]}, path, 4, no_dist=True, chunk_size=CHUNK, delta=True)
+    cdcp.save({"w": states[4]}, path, 4, no_dist=True, chunk_size=CHUNK, delta="forward")
     assert _loads_bit_for_bit(path, 4, states[4])
 
 
@@ -744,7 +744,7 @@ def test_any_chain_of_dcp_delta_saves_restores_bit_for_bit_also_after_gc(tmp_pat
     history, prev = {}, None
     for step, spec in enumerate(chain):
         t, prev = next_state(t, prev, *spec), t
-        cdcp.save({"w": t, "n": step}, path, step, no_dist=True, chunk_size=64 << 10, delta=True, max_chain=3)
+        cdcp.save({"w": t, "n": step}, path, step, no_dist=True, chunk_size=64 << 10, delta="forward", max_chain=3)
         history[step] = t.clone()
     with cas.open(path) as store:
         store.gc(keep_last=gc_keep)
@@ -760,20 +760,20 @@ def test_a_process_keeps_delta_bases_for_a_bounded_number_of_stores(tmp_path):
     from cas.store.dcp import bases as dcp_bases
     paths = [str(tmp_path / f"s{i}") for i in range(dcp_bases.MAX_STORES + 2)]
     for path in paths:
-        cdcp.save({"w": torch.randn(128, 256)}, path, 1, no_dist=True, delta=True)
+        cdcp.save({"w": torch.randn(128, 256)}, path, 1, no_dist=True, delta="forward")
     assert [dcp_bases.cached(p) is not None for p in paths] == [False] * 2 + [True] * dcp_bases.MAX_STORES
 
 
 def test_an_unchanged_chunk_whose_file_is_damaged_is_rewritten_whole_not_as_a_delta_of_itself(tmp_path):
     path = str(tmp_path / "s")
     state = {"w": torch.randn(256, 256)}
-    cdcp.save(state, path, 1, no_dist=True, chunk_size=CHUNK, delta=True)
+    cdcp.save(state, path, 1, no_dist=True, chunk_size=CHUNK, delta="forward")
     with cas.open(path) as store:
         key = store.tensors(1)[0]["chunks"][0]
         file = store.objects.files.path(key)
     with open(file, "r+b") as f:  # damage the header, keep the size: the index still calls it stored
         f.write(b"XXXX")
-    cdcp.save(state, path, 2, no_dist=True, chunk_size=CHUNK, delta=True)
+    cdcp.save(state, path, 2, no_dist=True, chunk_size=CHUNK, delta="forward")
     with cas.open(path) as store:
         assert store.objects.record(key).base is None
         assert store.verify().ok  # the rewrite repaired it
@@ -793,7 +793,7 @@ def test_a_planner_that_caches_plans_gets_whole_chunks_and_a_warning(tmp_path):
         planner = DefaultSavePlanner(enable_plan_caching=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True, planner=planner)
+            cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward", planner=planner)
         assert any("no confirmation" in str(x.message) for x in caught) == (step > 1), step
     assert all(r.base is None for r in index_records(path).values())
     target = {"w": torch.zeros(512, 512)}
@@ -806,7 +806,7 @@ def test_max_chain_zero_codes_no_dcp_deltas_not_even_against_roots(tmp_path):
     w, path = torch.randn(512, 512), str(tmp_path / "s")
     for step, max_chain in ((1, 2), (2, 2), (3, 0)):  # step 2 is a delta of 1; step 3 may not be one
         w = w + 1e-4 * torch.randn_like(w)
-        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta=True, max_chain=max_chain)
+        cdcp.save({"w": w}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward", max_chain=max_chain)
     with cas.open(path, readonly=True) as store:
         third = store.tensors(3)[0]["chunks"]
     records = index_records(path)
@@ -825,7 +825,7 @@ def test_a_restarted_rank_codes_its_first_save_against_the_latest_checkpoint(tmp
         if step == 3:
             dcp_bases.replace(path, None)  # the process restarted
         cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
-                  chunk_size=CHUNK, delta=True, max_chain=3)
+                  chunk_size=CHUNK, delta="forward", max_chain=3)
     records = index_records(path)
     with cas.open(path, readonly=True) as store:
         second, third = ({k for t in store.tensors(s) for k in t["chunks"]} for s in (2, 3))
@@ -848,7 +848,7 @@ def test_dcp_delta_memory_keeps_keys_only_and_reads_bases_back_from_files(tmp_pa
             train(model, opt, 2, seed=step)
             refs[step] = snapshot(model, opt)
             cdcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, path, step, no_dist=True,
-                      chunk_size=CHUNK, delta=True, max_chain=3, delta_memory=memory)
+                      chunk_size=CHUNK, delta="forward", max_chain=3, delta_memory=memory)
         cache = dcp_bases.cached(os.path.abspath(path))
         assert all((shard.data is None) == (memory == 0) for shard in cache.shards.values())
         records = index_records(path)
@@ -869,7 +869,7 @@ def test_dcp_ranks_code_steady_motion_as_linear_deltas(tmp_path, memory):
     path = str(tmp_path / "s")
     dcp_bases.replace(os.path.abspath(path), None)
     for step, w in enumerate(states, 1):
-        cdcp.save({"w": w, "h": w.to(torch.bfloat16)}, path, step, no_dist=True, chunk_size=CHUNK, delta=True,
+        cdcp.save({"w": w, "h": w.to(torch.bfloat16)}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward",
                   max_chain=4, delta_memory=memory)
     with cas.open(path) as store:
         codecs = {s: {store.objects.codec_of(k) for t in store.tensors(s) for k in t["chunks"]} for s in (2, 3, 4)}
@@ -894,7 +894,7 @@ def test_a_rollback_over_a_lost_base_file_codes_no_cycle_of_bases(tmp_path, dama
     path = str(tmp_path / "s")
     states = _rolled_back_states()
     for step in (1, 2):
-        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta=True)
+        cdcp.save({"w": states[step]}, path, step, no_dist=True, chunk_size=CHUNK, delta="forward")
     with cas.open(path, readonly=True) as store:
         file = store.objects.files.path(store.tensors(1)[0]["chunks"][0])
     if damage == "header":
@@ -902,5 +902,5 @@ def test_a_rollback_over_a_lost_base_file_codes_no_cycle_of_bases(tmp_path, dama
             f.write(b"XXXX")
     else:
         os.unlink(file)
-    cdcp.save({"w": states[1].clone()}, path, 3, no_dist=True, chunk_size=CHUNK, delta=True)
+    cdcp.save({"w": states[1].clone()}, path, 3, no_dist=True, chunk_size=CHUNK, delta="forward")
     assert _loads_bit_for_bit(path, 3, states[1]) and _loads_bit_for_bit(path, 2, states[2])

@@ -78,8 +78,8 @@ def test_file_urls_name_the_local_folder(tmp_path):
 
 
 def test_delta_saves_into_a_bucket_are_refused_clearly(s3_url):
-    with pytest.raises(cas.CasError, match="delta saves into a bucket store"):
-        cdcp.CasWriter(s3_url, step=1, delta=True)
+    with pytest.raises(cas.CasError, match='delta="forward" saves into a bucket store'):
+        cdcp.CasWriter(s3_url, step=1, delta="forward")
 
 
 # --- ranks on "different hosts": each its own cache -------------------------------------------

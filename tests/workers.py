@@ -118,6 +118,23 @@ def hold_lease(path: str, purpose: str) -> None:
         session.abort()
 
 
+def drifting(step: int) -> dict:
+    """State `step` of a series whose weight drifts a little each step (recoded as deltas)."""
+    w = tensor(11)
+    for i in range(step):
+        w = w + 1e-4 * tensor(100 + i)
+    return {"w": w, "b": tensor(50 + step, rows=2)}
+
+
+def recode_series(path: str, steps: str) -> None:
+    """Save drifting(0..steps-1) with the default (reverse) deltas, each recode finished
+    before the next save, so a fault point in a recode stops the series at a known step."""
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(int(steps)):
+            store.save(drifting(step), step=step)
+            store.wait()
+
+
 def repair(path: str) -> None:
     from cas.store.repair import repair as run
     print(run(path).checkpoints)
@@ -127,6 +144,6 @@ if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "save_packed": save_packed, "gc": gc,
           "save_loop": save_loop, "load_loop": load_loop, "load_all": load_all, "open_only": open_only,
-          "hold_lease": hold_lease, "repair": repair}[cmd]
+          "hold_lease": hold_lease, "repair": repair, "recode_series": recode_series}[cmd]
     fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_packed, save_loop) else a
          for a in args])

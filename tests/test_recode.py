@@ -1,0 +1,218 @@
+"""Reverse deltas (the default, delta=True): every save is written whole and the chunks it replaced
+are then recoded as deltas of the new ones, so the newest checkpoint always decodes without a chain.
+Any series of states restores bit for bit at every step, also after gc removed any subset of
+checkpoints and after a SIGKILL at every phase of the recoding; chains stay within max_chain; the
+chain of every committed checkpoint verifies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_delta import FLOATS, chains, next_state
+from test_gc import assert_exactly_reachable
+from workers import drifting
+
+import cas
+from cas.errors import CasError
+from cas.store.tensors import TORCH_DTYPES
+
+WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
+RECODE_POINTS = ["recode.encoded", "recode.in_txn", "recode.committed", "recode.files_removed"]
+
+
+def records(store) -> dict:
+    with store.index.read() as txn:
+        return dict(store.index.iter_records(txn))
+
+
+def chunk_records(store, step: int) -> list:
+    recs = records(store)
+    return [recs[k] for t in store.tensors(step) for k in t["chunks"]]
+
+
+def w_chunks_of(store, step: int, path: str = "w") -> list:
+    return next(t["chunks"] for t in store.tensors(step) if t["path"] == path)
+
+
+def true_depth(store, key: bytes) -> int:
+    return len(store.objects.chain(key)) - 1
+
+
+def assert_chains(store, max_chain: int) -> None:
+    """The newest checkpoint is whole; every chunk's chain is within max_chain and its recorded
+    depth is its chain's."""
+    newest = store.latest()
+    assert all(r.base is None for r in chunk_records(store, newest.step))
+    for ck in store.checkpoints():
+        for t in store.tensors(ck.step):
+            for key in t["chunks"]:
+                depth = true_depth(store, key)
+                assert depth <= max_chain
+                assert store.objects.record(key).depth == depth
+
+
+def test_the_newest_is_whole_and_older_checkpoints_are_deltas_of_newer_ones(tmp_path):
+    with cas.open(tmp_path / "d", chunk_size=64 << 10, pack_max=4096, max_chain=3) as store, \
+            cas.open(tmp_path / "p", chunk_size=64 << 10, pack_max=4096, delta=False) as plain:
+        for step in range(9):
+            store.save(drifting(step), step=step)
+            plain.save(drifting(step), step=step)
+            store.wait()
+            assert all(r.base is None for r in chunk_records(store, step))  # the newest: whole
+        w_chunks = [w_chunks_of(store, s) for s in range(9)]
+        recs = records(store)
+        # each older step a delta of the next while its chain stays within 3: steps 3 and 7 stay whole
+        assert [recs[k].base for k in w_chunks[6]] == w_chunks[7]
+        assert [recs[k].base for k in w_chunks[0]] == w_chunks[1]
+        assert all(recs[k].base is None for k in w_chunks[3] + w_chunks[7])
+        assert [true_depth(store, w_chunks[s][0]) for s in range(9)] == [3, 2, 1, 0, 3, 2, 1, 0, 0]
+        assert_chains(store, 3)
+        assert store.stats().stored_bytes < 0.8 * plain.stats().stored_bytes
+        for step in range(9):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
+def test_a_reopened_store_recodes_the_latest_checkpoint_knowing_its_chain(tmp_path):
+    path = tmp_path / "s"
+    for steps in (range(0, 3), range(3, 5), range(5, 9)):
+        with cas.open(path, chunk_size=64 << 10, max_chain=3) as store:
+            for step in steps:
+                store.save(drifting(step), step=step)
+    with cas.open(path) as store:
+        w = [w_chunks_of(store, s)[0] for s in range(9)]
+        depths = [true_depth(store, k) for k in w]
+        assert depths[-1] == 0 and max(depths) == 3
+        assert sum(d > 0 for d in depths) >= 6  # the saves after each reopen recoded the latest too
+        assert_chains(store, 3)
+        for step in range(9):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(FLOATS), chain=chains, rows=st.sampled_from([40, 300]),
+       removed=st.sets(st.integers(0, 6)), memory=st.sampled_from([None, 0]), max_chain=st.sampled_from([1, 2, 4]))
+def test_any_series_restores_bit_for_bit_after_gc_removed_any_subset(tmp_path_factory, dtype, chain, rows,
+                                                                     removed, memory, max_chain):
+    """memory 0: no bytes kept in memory; every recode reads both chunks back from the store."""
+    path = tmp_path_factory.mktemp("recode") / "s"
+    torch.manual_seed(0)
+    t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
+    history, prev = {}, None
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096, max_chain=max_chain, delta_memory=memory) as store:
+        for step, spec in enumerate(chain):
+            t, prev = next_state(t, prev, *spec), t
+            store.save({"w": t, "n": step}, step=step)
+            history[step] = t.clone()
+        store.wait()
+        assert_chains(store, max_chain)
+        for step, expected in history.items():
+            assert store.load(step)["w"].view(torch.uint8).equal(expected.view(torch.uint8))
+        gone = sorted(removed & set(history))
+        store.delete(gone)
+        store.gc()
+        assert store.verify().ok
+        for ck in store.checkpoints():
+            assert store.load(ck.step)["w"].view(torch.uint8).equal(history[ck.step].view(torch.uint8))
+        assert_exactly_reachable(store)
+
+
+@pytest.mark.parametrize("point", RECODE_POINTS)
+def test_a_kill_at_every_phase_of_a_recode_loses_nothing(tmp_path, point):
+    path = tmp_path / "s"
+    env = dict(os.environ, CAS_FAULTS=f"{point}=kill")  # the first recode: step 0 against step 1
+    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), "4"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        assert [ck.step for ck in store.checkpoints()] == [0, 1]
+        for step in (0, 1):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+        assert store.verify().ok
+        store.gc()  # what the kill left (a pack no record names, a superseded file) goes
+        assert_exactly_reachable(store)
+        for step in (2, 3):  # and the series goes on, recoding as before
+            store.save(drifting(step), step=step)
+        store.wait()
+        assert_chains(store, store.max_chain)
+        for step in range(4):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
+def test_loads_of_an_old_checkpoint_while_it_is_recoded_never_fail(tmp_path):
+    """A reader that looked a chunk's file up just before a recode moved it into a pack looks
+    again (ObjectStore.fetch)."""
+    with cas.open(tmp_path / "s", chunk_size=64 << 10) as store:
+        store.save(drifting(0), step=0)
+        stop, errors = threading.Event(), []
+
+        def reader() -> None:
+            while not stop.is_set():
+                try:
+                    assert torch.equal(store.load(0)["w"], drifting(0)["w"])
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+                    return
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for step in range(1, 6):
+                store.save(drifting(step), step=step)
+                store.wait()
+        finally:
+            stop.set()
+            thread.join()
+        assert not errors, errors[0]
+        assert store.objects.record(w_chunks_of(store, 0)[0]).base is not None
+
+
+def test_deleting_the_newest_keeps_its_chunks_as_the_bases_of_the_one_before(tmp_path):
+    with cas.open(tmp_path / "s", chunk_size=64 << 10) as store:
+        for step in range(3):
+            store.save(drifting(step), step=step)
+        store.wait()
+        store.delete([2])
+        report = store.gc()
+        assert report.live_objects > 0
+        assert store.verify().ok
+        assert torch.equal(store.load(1)["w"], drifting(1)["w"])
+        assert_exactly_reachable(store)
+
+
+def test_the_delta_option_is_checked():
+    with pytest.raises(CasError, match='delta must be True'):
+        cas.store.options.StoreOptions(delta="backward")
+    with pytest.raises(CasError, match='delta must be True'):
+        cas.store.options.StoreOptions(delta=1)
+    assert cas.store.options.StoreOptions().delta is True
+
+
+def test_dcp_saves_are_written_whole_and_the_coordinator_recodes_the_one_before(tmp_path):
+    """DCP's own save flow (dcp.save through CasWriter, no process group): each save's chunks are
+    whole; after its commit the coordinator recodes the previous checkpoint against it."""
+    import cas.store.dcp as cdcp
+
+    with cas.open(tmp_path / "s", chunk_size=64 << 10) as store:
+        for step in range(4):
+            cdcp.save(drifting(step), store, step, no_dist=True)
+            store.wait()
+            assert all(r.base is None for r in chunk_records(store, step))
+        assert all(store.objects.record(k).base is not None for k in w_chunks_of(store, 2, "tensors.w.0"))
+        assert_chains(store, store.max_chain)
+        assert store.verify().ok
+    for step in range(4):
+        target = {k: torch.zeros_like(v) for k, v in drifting(step).items()}
+        cdcp.load(target, tmp_path / "s", step, no_dist=True)
+        assert torch.equal(target["w"], drifting(step)["w"])
