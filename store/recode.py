@@ -29,7 +29,7 @@ import numpy as np
 
 from cas import faults
 from cas.codecs import scratch
-from cas.errors import CasError
+from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_PACK
 
 from .bases import TensorBases, from_nodes
@@ -174,8 +174,11 @@ def _recode_one(objects, session, p: Pair) -> bool:
     """Encode one older chunk as a delta of its newer one; False when that is not smaller by
     the codec's margin (it stays whole)."""
     n = objects.record(p.key).raw_size
-    raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
-    base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+    try:
+        raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
+        base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+    except CorruptionError:  # damage is verify's (and the load's) to report; this one stays as it is
+        return False
     enc = objects.codec.encode(raw, p.group, (p.base, base))
     if enc.base is None:
         return False
