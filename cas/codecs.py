@@ -220,7 +220,7 @@ class CodecPolicy:
         checked_level(self.level)
 
     def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None,
-               below: np.ndarray | None = None) -> Encoded:
+               below: np.ndarray | None = None, margin: float = DELTA_MARGIN) -> Encoded:
         """Encode raw bytes. `element_size` > 1 asks for byte grouping (floating dtypes). With
         `base` = (key, raw bytes of the same size), the difference from it (`sub_delta`) is
         coded instead when a sample says that is smaller by a margin; with `below` too (the raw
@@ -236,7 +236,7 @@ class CodecPolicy:
         plain_sample = self._sample_size(view, group) if sampled or base is not None else None
         if base is not None and base[1].size == n and can_delta(group or 1):
             shift, delta_sample = self._best_prediction(view, group or 1, base[1], below)
-            if delta_sample < DELTA_MARGIN * plain_sample:
+            if delta_sample < margin * plain_sample:
                 reference = base[1]
                 if shift is not None:
                     motion = motion_of(base[1], below, group or 1, scratch(n, "prediction"))

@@ -35,6 +35,7 @@ from cas.index import WHERE_PACK
 from .bases import TensorBases, from_nodes
 from .tree import chunk_spans
 
+RECODE_MARGIN = float(os.environ.get("CAS_RECODE_MARGIN", "0.9"))  # (experiment)
 LOW_PRIORITY = 10  # nice value of the recode threads: training and saves come first
 
 
@@ -179,7 +180,7 @@ def _recode_one(objects, session, p: Pair) -> bool:
         base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
     except CorruptionError:  # damage is verify's (and the load's) to report; this one stays as it is
         return False
-    enc = objects.codec.encode(raw, p.group, (p.base, base))
+    enc = objects.codec.encode(raw, p.group, (p.base, base), margin=RECODE_MARGIN)
     if enc.base is None:
         return False
     session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
