@@ -217,11 +217,11 @@ class _Copier:
             return data
 
         try:
-            raw = decode_chain(chain, fetch, check_each=False)
+            raw = decode_chain(chain, fetch, check_each=False, namer=self.src.objects.namer)
         except CorruptionError:
             if len(chain) == 1:
                 raise
-            raw = decode_chain(chain, fetch, check_each=True)  # names the damaged level
+            raw = decode_chain(chain, fetch, check_each=True, namer=self.src.objects.namer)  # names the damaged level
         for fut in before:
             fut.result()
         for level in reversed(range(len(chain))):
