@@ -91,6 +91,10 @@ def test_no_plaintext_in_a_bucket_store(s3_url, tmp_path):
     with cas.open(s3_url, key=RAW_KEY, cache_dir=str(tmp_path / "fresh")) as fresh:  # another host, no cache
         assert_same(fresh.load(2), marked_state())
         assert fresh.get(1).meta == {"note": MARK_META}
+        fresh.save(marked_state(3), step=3)
+        report = fresh.gc(keep_last=2)  # the bucket's gc protocol: intent, delete, rewritten segments
+        assert [ck.step for ck in report.removed] == [1] and fresh.verify().ok
+        assert_same(fresh.load(3), marked_state(3))
     bucket = S3Backend.from_url(s3_url)  # the bucket as it is, no keys
     names = bucket.list("")
     assert any(n.startswith("packs/") for n in names) and any(n.startswith("keys/") for n in names)
@@ -249,6 +253,9 @@ def test_a_flipped_byte_is_a_corruption_error_naming_the_object(tmp_path, cli):
     key_file.write_text("k")
     out = cli("--store", path, "verify", key_file=key_file)
     assert out.returncode == 1 and key_hex in out.stdout + out.stderr
+    repaired = cli("--store", path, "repair", key_file=key_file)  # quarantines it, rebuilds the cache
+    assert repaired.returncode == 0 and key_hex in repaired.stdout, repaired.stdout + repaired.stderr
+    assert (path / "quarantine" / key_hex).exists()
 
 
 def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
@@ -324,6 +331,16 @@ def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(
         assert_same(copy.load(1), state)
         assert copy.pull(tmp_path / "src").copied[0].step == 2
     assert found_marks(folder_bytes(tmp_path / "copy")) == set()
+
+
+def test_a_mirror_of_an_encrypted_store_is_encrypted_alike(tmp_path):
+    with cas.open(tmp_path / "src", key="k", mirror=tmp_path / "mirror") as src:
+        src.save({"w": torch.randn(500), "note": MARK_VALUE}, step=1)
+        src.wait(30)
+        assert src.mirror_status().pending == []
+    with cas.open(tmp_path / "mirror", key="k") as mirror:
+        assert mirror.encrypted and [ck.step for ck in mirror.checkpoints()] == [1]
+    assert found_marks(folder_bytes(tmp_path / "mirror")) == set()
 
 
 def test_dcp_save_and_load_into_an_encrypted_store(tmp_path):
