@@ -405,3 +405,23 @@ def test_killed_at_a_fault_point_loses_nothing(tmp_path, what, point):
         assert opened == (point == "keys.added") and len(ids) == 1 + opened
     if what == "remove":
         assert (extra in ids) == (point == "keys.removing")
+
+
+def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key_file(tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    from test_lightning import Tiny, fitted
+
+    from cas.store.lightning import CasCheckpointIO, load_marked
+
+    io = CasCheckpointIO(tmp_path / "store", key="k")
+    model = fitted(0, 1, io, dirpath=tmp_path / "ckpt", save_last=True)
+    io.store.close()
+    assert found_marks(folder_bytes(tmp_path / "store")) == set()
+    marker = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(KeyRequiredError):
+        load_marked(marker)
+    (tmp_path / "key").write_text("k\n")
+    monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "key"))
+    loaded = load_marked(marker)  # read without the plugin: the store opened with $CAS_KEY_FILE's key
+    assert_same(loaded["state_dict"], model.state_dict())
+    assert isinstance(Tiny.load_from_checkpoint(str(marker)), Tiny)

@@ -94,7 +94,7 @@ def cli_key():
         return None
     from cas.crypt import read_key_file
 
-    return read_key_file(path)
+    return read_key_file(path)  # (cas.store.opening.env_key for the library's own readers)
 
 
 def run_on_store(fn, store_cls, path: str, args) -> int:
