@@ -396,8 +396,9 @@ def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
 def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarray | None = None, *,
                 below: np.ndarray | None = None, verify: bool = True, namer: Namer | None = None) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
-    and check the result's name (`namer`: the store's; plain blake3 when None) against `key` (unless verify=False: for the lower levels of a
-    delta chain, whose errors the top's check catches). A delta needs `base`, the raw bytes of
+    and check the result's blake3 against `key` (unless verify=False: for the lower levels of a
+    delta chain, whose errors the top's check catches; `namer`: the store's naming, keyed in an
+    encrypted store, plain blake3 when None). A delta needs `base`, the raw bytes of
     its base object, and a `linear` delta also `below`, the raw bytes of the base's base; `out`
     may be `base` or `below` itself (a chain is decoded in one or two buffers). Raises
     CorruptionError, never returns bad data."""

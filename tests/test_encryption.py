@@ -425,3 +425,18 @@ def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key
     loaded = load_marked(marker)  # read without the plugin: the store opened with $CAS_KEY_FILE's key
     assert_same(loaded["state_dict"], model.state_dict())
     assert isinstance(Tiny.load_from_checkpoint(str(marker)), Tiny)
+
+
+def test_delta_chains_in_an_encrypted_store(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1 << 16, generator=g)
+    states = [{"w": w + i * 1e-6} for i in range(4)]
+    with cas.open(tmp_path / "d", key="k", delta=True, max_chain=2, chunk_size=64 << 10) as store:
+        for step, state in enumerate(states):
+            store.save(state, step=step)
+        assert store.stats().stored_bytes < sum(s["w"].numel() * 4 for s in states)  # deltas paid
+    with cas.open(tmp_path / "d", key="k", delta=True) as store:  # a fresh open reads its bases back
+        store.save({"w": w + 9e-6}, step=9)
+        for step, state in enumerate(states):
+            assert_same(store.load(step), state)
+        assert store.verify().ok
