@@ -115,9 +115,10 @@ def read_key_file(path: str) -> str | bytes:
         raise CasError(f"the key file {path} is neither {KEY_SIZE} raw bytes nor a UTF-8 passphrase") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class StoreKeys:
-    """The subkeys of one open store's master key, and the user key that unlocked it."""
+    """The subkeys of one open store's master key, and the user key that unlocked it (never
+    in a repr: stores, locations and tracebacks get printed)."""
 
     master: bytes
     key_id: str  # the keys/ blob that opened the store
@@ -127,6 +128,9 @@ class StoreKeys:
         object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
         object.__setattr__(self, "_index", _aead(_hkdf(self.master, b"cas index v1")))
         object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
+
+    def __repr__(self) -> str:
+        return f"StoreKeys(key_id={self.key_id!r})"
 
     @property
     def check(self) -> bytes:
