@@ -471,23 +471,32 @@ class EncryptedBackend:
         clen = (last - first + 1) * (SEGMENT + TAG)
         for attempt in range(2):
             salt = self._salts.get(name) if attempt == 0 else None
-            if salt is None and cstart <= _RANGE_FROM_ZERO:
-                sealed = self.inner.get(name, 0, cstart + clen)
-                salt, body = self._salt(name, sealed), memoryview(sealed)[cstart:]
-            else:
-                if salt is None:
-                    salt = self._salt(name, self.inner.get(name, 0, HEADER))
-                body = self.inner.get(name, cstart, clen)
-            out = bytearray(len(body))
+            held: list[bytearray] = []
+
+            def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
+                held.append(_POOL.take(nbytes))
+                return memoryview(held[-1])
             try:
-                n = self._open_segments(name, salt, body, first, memoryview(out), whole=False)
-            except CorruptionError:
-                if attempt == 0 and name in self._salts:  # the blob was replaced (a healed pack): read afresh
-                    self._salts.pop(name, None)
-                    continue
-                raise
-            skip = start - first * SEGMENT
-            return bytes(memoryview(out)[skip:min(n, skip + length)])
+                if salt is None and cstart <= _RANGE_FROM_ZERO:
+                    sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
+                    salt, body = self._salt(name, sealed), sealed[cstart:]
+                else:
+                    if salt is None:
+                        salt = self._salt(name, self.inner.get(name, 0, HEADER))
+                    body = self.inner.get(name, cstart, clen, buffer=pooled)
+                out = pooled(len(body))
+                try:
+                    n = self._open_segments(name, salt, body, first, out[:len(body)], whole=False)
+                except CorruptionError:
+                    if attempt == 0 and name in self._salts:  # the blob was replaced (a healed pack): read afresh
+                        self._salts.pop(name, None)
+                        continue
+                    raise
+                skip = start - first * SEGMENT
+                return bytes(out[skip:min(n, skip + length)])
+            finally:
+                for one in held:
+                    _POOL.give(one)
         raise AssertionError("unreachable")
 
     def stat(self, name: str) -> int | None:
