@@ -17,7 +17,7 @@ from .progress import ProgressCallback
 from .store import Checkpoint, interop
 from .store import CheckpointStore
 from .store.mirror import CLOSE_TIMEOUT, Mirror, MirrorStatus
-from .store.opening import open_or_create
+from .store.opening import open_or_create, open_other
 from .store.transfer import TransferReport, copy_checkpoints
 
 
@@ -48,7 +48,7 @@ class Store(CheckpointStore):
         """Copy checkpoints `steps` (all when None) to another store, a path or URL (created
         there when missing) or an open store, with only the objects it lacks; ids preserved."""
         self._check_open()
-        with _opened(dest, self.chunk_size) as target:
+        with _opened(dest, self.chunk_size, self) as target:
             return copy_checkpoints(self, target, steps, progress=progress, why="push")
 
     def pull(self, src: "str | os.PathLike | CheckpointStore", steps=None, *,
@@ -56,7 +56,7 @@ class Store(CheckpointStore):
         """Copy checkpoints `steps` (all when None) of another store into this one, with only the
         objects this one lacks; then retention and the mirror run once, as after a save."""
         self._check_writable("pull checkpoints")
-        with _opened(src, None) as source, self._retention_held():
+        with _opened(src, None, self) as source, self._retention_held():
             report = copy_checkpoints(source, self, steps, progress=progress, why="pull")
         if report.copied:
             self.after_commit(report.copied[-1])
@@ -183,13 +183,15 @@ class Store(CheckpointStore):
 
 
 @contextlib.contextmanager
-def _opened(store: "str | os.PathLike | CheckpointStore", chunk_size: int | None) -> Iterator[CheckpointStore]:
+def _opened(store: "str | os.PathLike | CheckpointStore", chunk_size: int | None,
+            like: CheckpointStore) -> Iterator[CheckpointStore]:
     """An open store as it is, or the store at a path or URL, closed afterwards (created with
     `chunk_size` when given and missing: a push's destination)."""
     if isinstance(store, CheckpointStore):
         yield store
         return
-    opened = open_or_create(store, chunk_size=chunk_size) if chunk_size else Store(store, create=False, readonly=True)
+    opened = open_or_create(store, chunk_size=chunk_size, like=like) if chunk_size \
+        else open_other(store, like, create=False, readonly=True)
     try:
         yield opened
     finally:

@@ -31,14 +31,14 @@ def _level_buffer(nbytes: int) -> np.ndarray:
 
 def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.ndarray | None = None, *,
                  verify: bool = True, check_each: bool = False,
-                 decoded: dict[bytes, np.ndarray] | None = None) -> np.ndarray:
+                 decoded: dict[bytes, np.ndarray] | None = None, namer=None) -> np.ndarray:
     """Decode chain[0] from the bottom of its chain ([key, its base, ...]; `fetch(key)` gives
     encoded bytes) up, starting from the highest level found in `decoded`. Levels alternate
     between `out` and a per-thread buffer, the top landing in `out`: each level reads its base
     from one and overwrites the other, which holds its base's base (a `linear` delta reads
     both). Afterwards the per-thread buffer holds chain[1]'s bytes (`last_below`). Only the top
     is hash-checked unless `check_each` (a wrong lower level makes a wrong top, which its check
-    refuses); a level's failure is reported against the top's key."""
+    refuses); a level's failure is reported against the top's key. `namer`: the store's (cas.hashing)."""
     decoded = decoded or {}
     top = chain[0]
     start = next((i for i, k in enumerate(chain) if i and k in decoded), len(chain) - 1)
@@ -57,7 +57,7 @@ def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.n
                 raise CorruptionError(f"object names delta base {head.base.hex() if head.base else None}, the "
                                       f"index {expected_base.hex() if expected_base else None}", key=key.hex())
             if head.needs_below and from_decoded and i + 2 > start:  # its base's base was never decoded here
-                return decode_chain(chain, fetch, out, verify=verify, check_each=check_each)
+                return decode_chain(chain, fetch, out, verify=verify, check_each=check_each, namer=namer)
             if bufs[0] is None:
                 bufs[0] = np.empty(head.raw_size, dtype=np.uint8)
             if bufs[1] is None and len(chain) > 1:
@@ -65,7 +65,7 @@ def decode_chain(chain: list[bytes], fetch: Callable[[bytes], object], out: np.n
             target = bufs[i % 2]
             decode_into(data, key, target, bufs[(i + 1) % 2] if expected_base else None,
                         below=target if head.needs_below and i + 2 < len(chain) else None,
-                        verify=check_each or (i == 0 and verify))
+                        verify=check_each or (i == 0 and verify), namer=namer)
         except CorruptionError as exc:
             if i == 0:
                 raise

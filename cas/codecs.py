@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from .errors import CasError, CorruptionError, FormatVersionError
-from .hashing import KEY_SIZE, hash_bytes, to_hex
+from .hashing import KEY_SIZE, PLAIN, Namer, to_hex
 
 MAGIC = b"caso"
 OBJECT_FORMAT = 3  # the newest written; each object is written with the oldest format that reads it
@@ -394,10 +394,11 @@ def _decompress_into(payload, dest: np.ndarray, name: str) -> None:
 
 
 def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarray | None = None, *,
-                below: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+                below: np.ndarray | None = None, verify: bool = True, namer: Namer | None = None) -> np.ndarray:
     """Decode an encoded object into `out` (a uint8 array of its raw size, allocated if None)
     and check the result's blake3 against `key` (unless verify=False: for the lower levels of a
-    delta chain, whose errors the top's check catches). A delta needs `base`, the raw bytes of
+    delta chain, whose errors the top's check catches; `namer`: the store's naming, keyed in an
+    encrypted store, plain blake3 when None). A delta needs `base`, the raw bytes of
     its base object, and a `linear` delta also `below`, the raw bytes of the base's base; `out`
     may be `base` or `below` itself (a chain is decoded in one or two buffers). Raises
     CorruptionError, never returns bad data."""
@@ -432,7 +433,7 @@ def decode_into(data, key: bytes, out: np.ndarray | None = None, base: np.ndarra
             guess = motion_of(base, below, delta[1], scratch(head.raw_size, "prediction"))
             reference = linear_prediction(base, guess, delta[1], head.shift, guess)
         undo_sub_delta(target, reference, delta[1], out)
-    if verify and hash_bytes(out) != key:
+    if verify and (namer or PLAIN).key(out) != key:
         raise CorruptionError("object content does not match its hash", key=name)
     return out
 

@@ -150,3 +150,23 @@ class ReplaceRefusedError(ObjectStoreError):
     """An object store never replaces a blob in place: the store layer must not ask it to."""
 
     reason = "replace"
+
+
+class StoreKeyError(CasError):
+    """Base of the key errors of an encrypted store (cas/crypt.py)."""
+
+
+class KeyRequiredError(StoreKeyError):
+    """An encrypted store was opened without a key (key=, or $CAS_KEY_FILE for the CLI)."""
+
+
+class WrongKeyError(StoreKeyError):
+    """No key of an encrypted store matches the one given (a wrong key, or one removed)."""
+
+
+class NotEncryptedError(StoreKeyError):
+    """A key was given for a store that is not encrypted (nothing would protect its data)."""
+
+
+class KeyRemovalRefusedError(StoreKeyError):
+    """`cas key remove` of the last key, or of the key the store was opened with."""

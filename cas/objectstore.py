@@ -28,6 +28,7 @@ import numpy as np
 from . import faults
 from .chains import MAX_CHAIN_DECODE, decode_chain, walk_chain
 from .codecs import CodecPolicy, parse_header
+from .crypt import namer_of
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError, StoreWriteError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
@@ -82,6 +83,7 @@ class ObjectStore:
         # unchanged re-save one request per chunk); a local pack is checked, one stat each.
         self.trust_packs = backend is not None and not backend.capabilities.batched_sync
         self.backend = backend  # where writers' leases live (None: leases in the index alone)
+        self.namer = namer_of(packs.backend)  # how this store names objects (keyed when encrypted)
         # called when a pack the index names is gone (a store shared by hosts: the caller's cache
         # catches up with the gc that removed it, then the record is looked up again)
         self.on_missing_pack: Callable[[], None] | None = None
@@ -161,7 +163,8 @@ class ObjectStore:
 
     def _decode_chain(self, chain: list[bytes], out: np.ndarray | None, *, verify: bool,
                       check_each: bool, decoded: dict[bytes, np.ndarray]) -> np.ndarray:
-        return decode_chain(chain, self.fetch, out, verify=verify, check_each=check_each, decoded=decoded)
+        return decode_chain(chain, self.fetch, out, verify=verify, check_each=check_each, decoded=decoded,
+                            namer=self.namer)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name

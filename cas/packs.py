@@ -28,7 +28,8 @@ import msgpack
 from .backend import Backend
 from .errors import BlobAbsentError, CorruptionError, MissingObjectError
 from .fanout import Fanout
-from .hashing import hash_bytes, to_hex
+from .crypt import namer_of
+from .hashing import to_hex
 
 PACK_MAGIC = b"caspack2"
 PACK_MAGIC_V1 = b"caspack1"
@@ -76,7 +77,7 @@ class PackFiles(Fanout):
         footer = msgpack.packb(listed, use_bin_type=True)
         parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
         data = b"".join(parts)
-        pack = hash_bytes(data)
+        pack = namer_of(self.backend).key(data)  # keyed in an encrypted store: a name reveals nothing
         if not self.backend.capabilities.batched_sync:  # an object store: durable once it answers
             self.backend.put_if_absent(self.name(pack), [data])
             return pack, placed
@@ -98,6 +99,8 @@ class PackFiles(Fanout):
             raise MissingObjectError(f"pack {to_hex(pack)} holding the object is missing", key=to_hex(key)) from None
         except MissingObjectError as exc:
             raise MissingObjectError(f"pack {to_hex(pack)} cannot be read: {exc.detail}", key=to_hex(key)) from None
+        except CorruptionError as exc:  # an encrypted pack's segment fails its check: name the object
+            raise CorruptionError(f"pack {to_hex(pack)} holding it: {exc.detail}", key=to_hex(key)) from None
         if len(data) != length:  # a damaged record asks for more than the pack holds
             size = self.size(pack) or 0
             if offset < 0 or length < 0 or offset + length > size:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from cas import faults
 from cas.codecs import decode_into, parse_header
+from cas.crypt import namer_of
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
@@ -297,7 +298,8 @@ def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool,
             blob = packs.read(pack, offset, length, key)
             try:
                 head = parse_header(blob, key=key)
-                raw = decode_into(blob, key) if (check or commits is not None) and not head.base else None
+                raw = decode_into(blob, key, namer=namer_of(packs.backend)) if (check or commits is not None) and not head.base \
+                    else None
             except CorruptionError as exc:
                 report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
                 continue

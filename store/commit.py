@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from cas import faults
 from cas.errors import CasError
-from cas.hashing import hash_bytes
 from cas.objectstore import WriteSession
 
 from . import pipeline, provenance, signing
@@ -50,7 +49,7 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
     the checkpoint's record (one record log entry; with `replacing`, it also removes the
     checkpoint at that step, unless pinned). `fault` names the fault point once nodes are written."""
     commit = record.node(tree)
-    commit_key = hash_bytes(commit)
+    commit_key = session.store.namer.key(commit)
     nodes[commit_key] = commit
     pipeline.write_blobs(session, nodes, pool)
     faults.point(fault)

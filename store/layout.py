@@ -32,15 +32,18 @@ from typing import Iterator
 
 import msgpack
 
+from cas.crypt import check_fields
 from cas.errors import CasError, FormatVersionError, NotAStoreError
 from cas.fsutil import atomic_write, fsync_dir, read_file
 
 STORE_FORMAT = 2  # 2: the registry is the record log; 1: it lived only in LMDB (migrated on a writable open)
-READABLE_FORMATS = (1, 2)
+ENCRYPTED_FORMAT = 3  # 2 + encryption at rest (cas/crypt.py): a cas without it refuses the store by version
+READABLE_FORMATS = (1, 2, 3)
 CONFIG_MAGIC = b"cas-store\n"
 CONFIG_NAME = "config"
 CREATE_LOCK = "create.lock"
 LAYOUT_FOLDERS = ("index", "objects", "packs", "log", "leases", "tmp")
+KEYS_FOLDER = "keys"  # an encrypted store's wrapped master keys (cas/crypt.py), made only for one
 DEFAULT_CHUNK_SIZE = 4 << 20  # see README, "Chunk size": dedup granularity vs. per-object cost
 MIN_CHUNK_SIZE = 64 << 10
 MAX_CHUNK_SIZE = 256 << 20
@@ -52,6 +55,11 @@ class Config:
     chunk_size: int
     created: float
     store_id: str
+    encryption: dict | None = None  # format 3: cas/crypt.encryption_fields (aead, naming, key check)
+
+    @property
+    def encrypted(self) -> bool:
+        return self.encryption is not None
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,8 @@ def parse_config(data: bytes, root: str, where: str) -> Config:
         raise FormatVersionError(f"the store at {root} has format version {fmt!r}; this cas "
                                  f"reads versions {READABLE_FORMATS} (upgrade cas to open it)")
     try:
-        config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]))
+        config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]),
+                        check_fields(raw["encryption"], root) if fmt == ENCRYPTED_FORMAT else None)
     except (KeyError, TypeError, ValueError):
         raise NotAStoreError(f"the cas config at {where} is damaged") from None
     if not MIN_CHUNK_SIZE <= config.chunk_size <= MAX_CHUNK_SIZE:
@@ -117,11 +126,14 @@ def parse_config(data: bytes, root: str, where: str) -> Config:
     return config
 
 
-def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float | None = None) -> bytes:
-    """A new store's config blob."""
-    return CONFIG_MAGIC + msgpack.packb({"format": STORE_FORMAT, "chunk_size": chunk_size,
-                                         "created": time.time() if created is None else created,
-                                         "store_id": store_id or secrets.token_hex(8)})
+def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float | None = None,
+                 encryption: dict | None = None) -> bytes:
+    """A new store's config blob (`encryption`: an encrypted store's fields, format 3)."""
+    body = {"format": STORE_FORMAT if encryption is None else ENCRYPTED_FORMAT, "chunk_size": chunk_size,
+            "created": time.time() if created is None else created, "store_id": store_id or secrets.token_hex(8)}
+    if encryption is not None:
+        body["encryption"] = encryption
+    return CONFIG_MAGIC + msgpack.packb(body, use_bin_type=True)
 
 
 def can_create(root: str) -> bool:
@@ -133,7 +145,7 @@ def can_create(root: str) -> bool:
     if not os.path.isdir(root) or os.path.islink(root):
         return False
     entries = set(os.listdir(root))
-    if not entries <= {*LAYOUT_FOLDERS, CREATE_LOCK}:
+    if not entries <= {*LAYOUT_FOLDERS, KEYS_FOLDER, CREATE_LOCK}:
         return False
     lock = os.path.join(root, CREATE_LOCK)
     if CREATE_LOCK in entries and not stat.S_ISREG(os.lstat(lock).st_mode):  # a link or a folder: not ours
@@ -165,9 +177,10 @@ def check_chunk_size(chunk_size: int) -> None:
 
 
 def write_config(layout: Layout, *, chunk_size: int, store_id: str | None = None,
-                 created: float | None = None) -> None:
+                 created: float | None = None, encryption: dict | None = None) -> None:
     """Write the config of a new store: the last step of creating one, so that a half-made
     store is not a store. (Rewritten once more, with the same id, when a format-1 store is
     upgraded: an atomic replace, so it holds one format or the other.)"""
-    atomic_write(layout.config, [config_bytes(chunk_size=chunk_size, store_id=store_id, created=created)])
+    atomic_write(layout.config, [config_bytes(chunk_size=chunk_size, store_id=store_id, created=created,
+                                              encryption=encryption)])
     fsync_dir(layout.root)

@@ -67,7 +67,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from cas import fsutil
 from cas.errors import CasError, CheckpointNotFoundError
 
-from .opening import given_or_opened, open_path
+from .opening import given_or_opened, open_named, open_path
 from .registry import Checkpoint
 from .store import CheckpointStore
 
@@ -210,7 +210,7 @@ def _store_of(marker: Marker, opened: CheckpointStore | None) -> Iterator[Checkp
     if opened is not None and opened.path == marker.store:
         yield opened
         return
-    store = open_path(marker.store, create=False, readonly=True)
+    store = open_named(marker.store, create=False, readonly=True)  # an encrypted one: $CAS_KEY_FILE's key
     try:
         yield store
     finally:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from dataclasses import dataclass
 
 from cas import faults
 from cas.backend import MAX_BLOB, Backend
-from cas.errors import BlobAbsentError, CasError, NotAStoreError
+from cas import crypt
+from cas.errors import BlobAbsentError, CasError, NotAStoreError, NotEncryptedError
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
 from cas.packs import PACK_TARGET
@@ -70,6 +72,7 @@ class Location:
     name: str  # the absolute path or the URL (store.path, messages)
     backend: Backend
     cache_dir: str | None = None  # bucket stores: where their caches live
+    keys: crypt.StoreKeys | None = None  # an encrypted store's, once unlocked (or made by create)
 
     @property
     def local(self) -> bool:
@@ -102,12 +105,44 @@ class Location:
             return L.can_create(self.name)
         return not self.backend.list("")
 
-    def create(self, chunk_size: int) -> bool:
-        """Make the store; False when another process made it first (it is opened then)."""
+    def create(self, chunk_size: int, key=None, *, master: bytes | None = None) -> bool:
+        """Make the store (encrypted under `key` when given, with a new random master key, or
+        `master`: a copy that names objects as its source does); False when another process
+        made it first (it is opened then). Its first key blob is written before the config: a
+        config names a store that can be opened."""
         L.check_chunk_size(chunk_size)
+        store_id, blob, encryption = None, None, None
+        if key is not None:
+            user = crypt.user_key(key)
+            master = master or os.urandom(32)
+            store_id, key_id = secrets.token_hex(8), crypt.new_key_id()
+            blob = (crypt.KEYS_PREFIX + key_id, crypt.key_blob(store_id, key_id, master, user))
+            encryption = crypt.encryption_fields(master)
+            keys = crypt.StoreKeys(master, key_id, user)
         if self.local:
-            return _create_folder(self.layout, chunk_size)
-        return self.backend.put_if_absent(L.CONFIG_NAME, [L.config_bytes(chunk_size=chunk_size)])
+            made = _create_folder(self.layout, chunk_size, store_id, blob, encryption)
+        else:
+            if blob is not None:
+                self.backend.put_if_absent(*blob[:1], [blob[1]])
+            made = self.backend.put_if_absent(L.CONFIG_NAME, [L.config_bytes(chunk_size=chunk_size, store_id=store_id,
+                                                                              encryption=encryption)])
+            if not made and blob is not None:  # another host's config won: this key blob wraps nothing of it
+                self.backend.delete(blob[0])
+        if made and key is not None:
+            self.keys = keys
+        return made
+
+    def unlock(self, config: L.Config, key) -> None:
+        """For an encrypted store, unlock its keys with `key` and wrap the backend so every blob
+        is sealed and opened (cas/crypt.py); a key for a plain store is refused."""
+        if not config.encrypted:
+            if key is not None:
+                raise NotEncryptedError(f"the store at {self.name} is not encrypted; open it without key= (a store is "
+                                        "encrypted when it is created with a key)")
+            return
+        if self.keys is None or crypt.check_of(self.keys.master) != config.encryption["check"]:
+            self.keys = crypt.unlock(self.backend, config.store_id, config.encryption, key, self.name)
+        self.backend = crypt.wrap(self.backend, self.keys)
 
     def writable(self) -> bool:
         """Whether this process may change the store (a bucket: found out at the first write)."""
@@ -142,7 +177,8 @@ def locate(target, *, cache_dir: str | None = None) -> Location:
     return Location(kind, backend.url, backend, cache_dir)
 
 
-def _create_folder(layout: L.Layout, chunk_size: int) -> bool:
+def _create_folder(layout: L.Layout, chunk_size: int, store_id: str | None = None, blob: tuple | None = None,
+                   encryption: dict | None = None) -> bool:
     with L.creation_lock(layout.root):
         if os.path.exists(layout.config):
             return False  # another process created it while this one waited
@@ -150,6 +186,10 @@ def _create_folder(layout: L.Layout, chunk_size: int) -> bool:
             L.read_config(layout)
         for folder in L.LAYOUT_FOLDERS:
             os.makedirs(os.path.join(layout.root, folder), exist_ok=True)
+        if blob is not None:
+            os.makedirs(os.path.join(layout.root, L.KEYS_FOLDER), exist_ok=True)
+            LocalBackend(layout.root).put_if_absent(*blob[:1], [blob[1]])
         faults.point("store.creating")
-        L.write_config(layout, chunk_size=chunk_size)  # the cache is built at the first open
+        L.write_config(layout, chunk_size=chunk_size, store_id=store_id,  # the cache is built at the first open
+                       encryption=encryption)
         return True

@@ -187,7 +187,7 @@ class Mirror:
 
     def _open_dest(self) -> "CheckpointStore":
         if self._dest is None:
-            self._dest = open_or_create(self.destination, chunk_size=self.store.chunk_size)
+            self._dest = open_or_create(self.destination, chunk_size=self.store.chunk_size, like=self.store)
         return self._dest
 
     def _failed(self, exc: Exception) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cas.codecs import checked_level
+from cas.crypt import user_key
 from cas.errors import CasError
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
 
@@ -50,6 +51,8 @@ class StoreOptions:
     ~/.cache/cas); two processes with different cache folders behave as two hosts.
     signing_key: an ed25519 private key (32 raw bytes, PEM or OpenSSH bytes, a path to such a
     file, or a cryptography key) that signs every checkpoint this store commits.
+    key: a passphrase (str) or 32 raw bytes: opens an encrypted store, and makes a new store
+    encrypted (cas/crypt.py); None for a plain store.
     """
 
     create: bool = True
@@ -66,9 +69,12 @@ class StoreOptions:
     delta_memory: int | None = DEFAULT_DELTA_MEMORY
     cache_dir: str | None = None
     signing_key: object = dataclasses.field(default=None, repr=False, compare=False)
+    key: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         checked_level(self.compression_level)
+        if self.key is not None:
+            user_key(self.key)  # refused now, not at the open
         if self.signing_key is not None:
             object.__setattr__(self, "signing_key", signing.private_key(self.signing_key))  # refused now, not at a save
         if self.delta not in (True, False, "forward") or type(self.delta) not in (bool, str):

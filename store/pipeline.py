@@ -72,11 +72,12 @@ def write_tensors(session: WriteSession, leaves: list[TensorLeaf], pool: ThreadP
     that base is stored and its chain is shorter than `max_chain`. Hashing runs on `hash_pool`
     when given, so the next batch is hashed while the previous one is encoded and written."""
     bases = bases or {}
+    namer = session.store.namer  # the store's object names (keyed when encrypted)
     inflight: deque[tuple[int, Future]] = deque()
     inflight_bytes = 0
     try:
         for batch in batches(_chunks(leaves), lambda c: c[2].nbytes, max(window_bytes // 2, 1), CLAIM_BATCH):
-            keys = list((hash_pool or pool).map(lambda c: hash_bytes(c[2]), batch))
+            keys = list((hash_pool or pool).map(lambda c: namer.key(c[2]), batch))
             candidates = [_base_of(bases, *item) if bases else None for item in batch]
             session.hold([c[0] for c in candidates if c is not None] + keys)  # one index transaction
             stored = session.claim(keys)

@@ -22,6 +22,7 @@ from cas.localfs import LocalBackend
 from cas.objectfiles import FileObjects
 from cas.packs import PackFiles
 
+from .location import Location
 from . import layout as L
 
 FOLDER = "quarantine"
@@ -39,17 +40,19 @@ class QuarantineReport:
     moved: list[Quarantined] = field(default_factory=list)
 
 
-def quarantine_damaged(path: str) -> QuarantineReport:
+def quarantine_damaged(path: str, key=None) -> QuarantineReport:
     """Move every object recorded as damaged, and not yet quarantined, out of objects/ and
     packs/ into quarantine/, and drop its index record. Each runs inside one write transaction,
     which a commit replacing the object with a fresh copy cannot interleave with (a commit
     decides and renames inside its own transaction, and clears the damage record there)."""
     layout = L.Layout(os.path.abspath(path))
-    L.read_config(layout)
+    config = L.read_config(layout)
     report = QuarantineReport()
+    where = Location("local", layout.root, LocalBackend(layout.root))
+    where.unlock(config, key)  # an encrypted store's packs are read through its keys
     index = Index(layout.index)
     try:
-        backend = LocalBackend(layout.root)
+        backend = where.backend
         files, packs = FileObjects(backend), PackFiles(backend)
         with index.write() as txn:
             for key, info in list(index.iter_damaged(txn)):

@@ -164,8 +164,11 @@ class Registry:
     another cache (another host, a replaced LMDB file) committed the entry this one wanted."""
 
     def __init__(self, index, store_root: str, log: RecordLog | None,
-                 rebuild: Callable[[object], None] | None = None) -> None:
+                 rebuild: Callable[[object], None] | None = None, *, sealer=None) -> None:
         self.index = index
+        # an encrypted store's keys (cas.crypt.StoreKeys): records are sealed in LMDB, which
+        # lives in the store's folder and would otherwise hold their metrics and meta in plaintext
+        self.sealer = sealer
         self.store_root = store_root
         self.log = log  # None: a format-1 store opened read-only, its LMDB registry read as it is
         self.rebuild = rebuild
@@ -173,9 +176,18 @@ class Registry:
         self.order = index.tables.get(ORDER_TABLE)  # absent from a format-1 index opened read-only
 
     # --- reads ------------------------------------------------------------------------
+    def _load(self, step: int, data) -> Checkpoint:
+        if self.sealer is not None:
+            data = self.sealer.unseal(data, step_key(step), f"the cached registry record of step {step}")
+        return _unpack(step, data)
+
+    def _dump(self, ck: Checkpoint) -> bytes:
+        data = _pack(ck)
+        return data if self.sealer is None else self.sealer.seal(data, step_key(ck.step))
+
     def get(self, txn, step: int) -> Checkpoint | None:
         data = txn.get(step_key(step), db=self.db)
-        return _unpack(step, data) if data is not None else None
+        return self._load(step, data) if data is not None else None
 
     def require(self, txn, step: int) -> Checkpoint:
         ck = self.get(txn, step)
@@ -184,7 +196,7 @@ class Registry:
         return ck
 
     def all(self, txn) -> list[Checkpoint]:
-        return [_unpack(key_step(bytes(k)), v) for k, v in txn.cursor(db=self.db)]
+        return [self._load(key_step(bytes(k)), v) for k, v in txn.cursor(db=self.db)]
 
     def latest(self, txn) -> Checkpoint | None:
         """The most recently committed checkpoint (after a rollback, the new line's newest, not
@@ -192,7 +204,7 @@ class Registry:
         cur = txn.cursor(db=self.order) if self.order is not None else None
         if cur is None or not cur.last():
             cur = txn.cursor(db=self.db)  # a format-1 cache without commit order: by step
-            return _unpack(key_step(bytes(cur.key())), cur.value()) if cur.last() else None
+            return self._load(key_step(bytes(cur.key())), cur.value()) if cur.last() else None
         return self.get(txn, key_step(bytes(cur.key())[8:]))
 
     def previous(self, txn, step: int) -> Checkpoint | None:
@@ -204,7 +216,7 @@ class Registry:
             return None
         if key_step(bytes(cur.key())) >= step:
             return None
-        return _unpack(key_step(bytes(cur.key())), cur.value())
+        return self._load(key_step(bytes(cur.key())), cur.value())
 
     # --- the cache's position in the log --------------------------------------------------
     def head(self, txn) -> tuple[int, bytes | None]:
@@ -279,7 +291,7 @@ class Registry:
                 if current is not None:
                     raise exists_error(step)
                 ck = _from_add(change, seq)
-                txn.put(step_key(step), _pack(ck), db=self.db)
+                txn.put(step_key(step), self._dump(ck), db=self.db)
                 txn.put(seq.to_bytes(8, "big") + step_key(step), b"", db=self.order)
                 out.append(ck)
                 continue
@@ -292,7 +304,7 @@ class Registry:
                 out.append(current)
             else:
                 ck = dataclasses.replace(current, **{f: change[f] for f in FLAGS if f in change})
-                txn.put(step_key(step), _pack(ck), db=self.db)
+                txn.put(step_key(step), self._dump(ck), db=self.db)
                 out.append(ck)
         return out
 

@@ -19,14 +19,14 @@ from .cache import RebuildReport, rebuild
 RepairReport = RebuildReport
 
 
-def repair(path: str) -> RebuildReport:
+def repair(path: str, key=None) -> RebuildReport:
     """Rebuild the cache of the store at `path`, decoding every full object in a pack to skip
     damaged copies (a plain open only reads headers)."""
     from .store import CheckpointStore  # the store opens its cache, upgrading a format-1 store
 
     layout = L.Layout(os.path.abspath(path))
     L.read_config(layout)  # only a store is repaired: never create one here
-    with CheckpointStore(path, create=False) as store:
+    with CheckpointStore(path, create=False, key=key) as store:
         report = store.cache_report
         with store.index.write() as txn:
             rebuild(store, txn, report, check=True)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from cas import faults
+from cas import crypt, faults
 from cas.codecs import CodecPolicy
 from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError,
                         StoreClosedError, StoreWriteError)
@@ -69,8 +69,9 @@ class CheckpointStore:
         if not where.has_config():
             if not (create and not readonly and where.can_create()):
                 where.read_config()  # raises the precise NotAStoreError
-            self.created = where.create(chunk_size or L.DEFAULT_CHUNK_SIZE)
+            self.created = where.create(chunk_size or L.DEFAULT_CHUNK_SIZE, opts.key)
         self.config = where.read_config()
+        where.unlock(self.config, opts.key)  # an encrypted store: its keys, and a backend that seals every blob
         if chunk_size is not None and chunk_size != self.config.chunk_size:
             raise CasError(f"the store at {self.path} was created with chunk_size {self.config.chunk_size}; "
                            f"it cannot be opened with {chunk_size} (leave chunk_size out)")
@@ -121,7 +122,8 @@ class CheckpointStore:
                                                             readonly=self.readonly and self.location.local,
                                                             report=report)
         legacy = self.config.format == 1 and self.readonly  # read as format 1 wrote it, no log
-        self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild)
+        self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild,
+                                 sealer=self.location.keys)
         if legacy or not self.readonly or self._private_cache is not None or not self.location.local:
             return
         with self.index.read() as txn:
@@ -129,7 +131,7 @@ class CheckpointStore:
         if report.reason is not None:
             self.index.close()
             self.index, self._private_cache = cache.private_index()
-            self.registry = Registry(self.index, self.path, self.records, self._rebuild)
+            self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
 
     def _check_cache(self) -> None:
         """Make the cache provably current: upgrade a format-1 store, or rebuild a cache that
@@ -201,6 +203,40 @@ class CheckpointStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # --- keys of an encrypted store (cas/crypt.py) -----------------------------------------
+    @property
+    def encrypted(self) -> bool:
+        return self.config.encrypted
+
+    def _keys(self):
+        if self.location.keys is None:
+            raise CasError(f"the store at {self.path} is not encrypted: it has no keys (create a store with "
+                           "cas.open(path, key=...) to encrypt one)")
+        return self.location.keys
+
+    def key_ids(self) -> list[str]:
+        """The ids of the keys that open this encrypted store (keys/<id>)."""
+        self._check_open()
+        self._keys()
+        return crypt.key_ids(self.backend)
+
+    @property
+    def key_id(self) -> str | None:
+        """The id of the key this store was opened with (None: a plain store)."""
+        return self.location.keys.key_id if self.location.keys is not None else None
+
+    def add_key(self, key) -> str:
+        """Let another key (a passphrase or 32 raw bytes) open this store: one new keys/ blob,
+        created create-only, wrapping the same master key; no data is rewritten. Its id."""
+        self._check_writable("add a key")
+        return crypt.add_key(self.backend, self.config.store_id, self._keys(), key)
+
+    def remove_key(self, key_id: str) -> None:
+        """Remove the key `key_id`: refused for the last key and for the one this store was
+        opened with (KeyRemovalRefusedError). The master key, and so every object, stays."""
+        self._check_writable("remove a key")
+        crypt.remove_key(self.backend, self._keys(), key_id, self.path)
 
     def __repr__(self) -> str:
         return f"cas.Store({self.path!r})"
@@ -374,7 +410,7 @@ class CheckpointStore:
 
     def _commit_nodes(self, job: "_SaveJob", session) -> Checkpoint:
         """Write the save's manifest nodes and commit it, registering the checkpoint."""
-        root, nodes = encode_nodes(job.skeleton)
+        root, nodes = encode_nodes(job.skeleton, self.objects.namer)
         record = SaveRecord(job.step, job.created, job.milestone, job.metrics, job.meta,
                             sum(leaf.nbytes for leaf in job.leaves))
         return commit_save(self, session, record, root, nodes, self._pool, "save.nodes_written",

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-from cas.errors import CheckpointExistsError, CorruptionError, ReadOnlyStoreError
+from cas.errors import CasError, CheckpointExistsError, CorruptionError, ReadOnlyStoreError
 from cas.chains import decode_chain
 from cas.objectstore import WriteSession
 from cas.progress import ProgressCallback
@@ -75,6 +75,13 @@ def copy_checkpoints(src: "CheckpointStore", dst: "CheckpointStore", steps=None,
     another id the copy is refused (CheckpointExistsError naming the step and both ids) before
     anything is written. `why` is what dst's record log says made the change (push, pull, mirror)."""
     report = TransferReport(src.path, dst.path)
+    if src.objects.namer.fingerprint != dst.objects.namer.fingerprint:
+        from .opening import CROSS_KEY  # noqa: PLC0415
+
+        def kind(store) -> str:
+            return "encrypted" if store.encrypted else "not encrypted"
+        raise CasError(f"cannot copy checkpoints from {src.path} ({kind(src)}) to {dst.path} ({kind(dst)}"
+                       f"{', another master key' if src.encrypted and dst.encrypted else ''}). {CROSS_KEY}")
     if dst.readonly:
         raise ReadOnlyStoreError(f"the store at {dst.path} is open read-only; cannot copy checkpoints into it")
     dst.ensure_cache()
@@ -217,11 +224,11 @@ class _Copier:
             return data
 
         try:
-            raw = decode_chain(chain, fetch, check_each=False)
+            raw = decode_chain(chain, fetch, check_each=False, namer=self.src.objects.namer)
         except CorruptionError:
             if len(chain) == 1:
                 raise
-            raw = decode_chain(chain, fetch, check_each=True)  # names the damaged level
+            raw = decode_chain(chain, fetch, check_each=True, namer=self.src.objects.namer)  # names the damaged level
         for fut in before:
             fut.result()
         for level in reversed(range(len(chain))):

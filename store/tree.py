@@ -20,7 +20,7 @@ import torch
 
 from cas.codecs import can_delta
 from cas.errors import CorruptionError
-from cas.hashing import KEY_SIZE, hash_bytes
+from cas.hashing import KEY_SIZE, PLAIN, Namer
 
 from . import tensors as T
 from .values import (MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
@@ -199,11 +199,12 @@ class NodeWriter:
     """The manifest nodes of one save as {key: msgpack bytes}, deduplicated by key (Store.save's
     tree and the DCP coordinator's manifest alike)."""
 
-    def __init__(self) -> None:
+    def __init__(self, namer: Namer = PLAIN) -> None:
         self.blobs: dict[bytes, bytes] = {}
+        self.namer = namer  # the store's (keyed when encrypted)
 
     def add(self, data: bytes) -> bytes:
-        key = hash_bytes(data)
+        key = self.namer.key(data)
         self.blobs[key] = data
         return key
 
@@ -211,10 +212,10 @@ class NodeWriter:
         return Ref(self.add(pack(node)))
 
 
-def encode_nodes(skeleton) -> tuple[Ref, dict[bytes, bytes]]:
+def encode_nodes(skeleton, namer: Namer = PLAIN) -> tuple[Ref, dict[bytes, bytes]]:
     """Turn a planned skeleton whose leaves have their chunk keys into node objects.
     Returns the root reference and {key: msgpack bytes} of every node (deduplicated)."""
-    nodes = NodeWriter()
+    nodes = NodeWriter(namer)
     emit = nodes.emit
 
     def lower(value):

@@ -83,18 +83,33 @@ def _finite(value):
     return value
 
 
+KEY_FILE_ENV = "CAS_KEY_FILE"
+
+
+def cli_key():
+    """The key of an encrypted store, from the file $CAS_KEY_FILE names (None when unset):
+    32 raw bytes, or a passphrase with one trailing newline stripped."""
+    path = os.environ.get(KEY_FILE_ENV)
+    if not path:
+        return None
+    from cas.crypt import read_key_file
+
+    return read_key_file(path)  # (cas.store.opening.env_key for the library's own readers)
+
+
 def run_on_store(fn, store_cls, path: str, args) -> int:
     """Run a command on the store at `path`. A command that may create the store (import)
     and fails leaves no store behind that it created: bad input changes nothing."""
     existed = os.path.lexists(path)
     code, created = EXIT_USAGE, False
+    key = cli_key()
     try:
-        with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only) as store:
+        with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only, key=key) as store:
             created = store.created  # by this open, under the creation lock: not another process's
             code = fn(store, args)
     finally:
         if created and code != EXIT_OK:
-            with store_cls(path, create=False) as store:
+            with store_cls(path, create=False, key=key) as store:
                 empty = not store.checkpoints()
             if empty:
                 _remove_new_store(path, remove_folder=not existed)
@@ -104,9 +119,9 @@ def run_on_store(fn, store_cls, path: str, args) -> int:
 def _remove_new_store(path: str, *, remove_folder: bool) -> None:
     """Remove a store this command created and left empty: only its own layout, never a file
     the user put there; the folder itself only if this command made it and it is empty."""
-    from cas.store.layout import CONFIG_NAME, CREATE_LOCK, LAYOUT_FOLDERS
+    from cas.store.layout import CONFIG_NAME, CREATE_LOCK, KEYS_FOLDER, LAYOUT_FOLDERS
 
-    for name in (CONFIG_NAME, CREATE_LOCK, *LAYOUT_FOLDERS):
+    for name in (CONFIG_NAME, CREATE_LOCK, *LAYOUT_FOLDERS, KEYS_FOLDER):
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target, ignore_errors=True)

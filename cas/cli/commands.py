@@ -11,7 +11,7 @@ import sys
 from cas.errors import CasError
 from cas.progress import progress_for
 
-from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, usage_error
+from .base import EXIT_OK, EXIT_PROBLEM, cli_key, command, emit_json, human, parse_step, print_checkpoint, usage_error
 from .values import show_values
 
 
@@ -285,8 +285,9 @@ def cmd_gc(store, args) -> int:
 def cmd_repair(path: str, args) -> int:
     from cas.store.repair import repair
 
-    _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
-    report = repair(path)
+    key = cli_key()
+    _quarantine(path, key)  # first: the rebuild indexes every file whose header parses, damaged payload or not
+    report = repair(path, key)
     if report.moved_aside:
         print(f"the damaged index was moved to {report.moved_aside}")
     for item in report.skipped:
@@ -297,13 +298,13 @@ def cmd_repair(path: str, args) -> int:
     return EXIT_OK
 
 
-def _quarantine(path: str) -> None:
+def _quarantine(path: str, key=None) -> None:
     """Move the objects verify or a load found damaged to quarantine/ and report them; an index
     that does not open is the rebuild's to handle (its damage records go with it)."""
     from cas.store.quarantine import quarantine_damaged
 
     try:
-        report = quarantine_damaged(path)
+        report = quarantine_damaged(path, key)
     except (CasError, OSError) as exc:
         print(f"skipped the quarantine of damaged objects: {exc}")
         return
@@ -317,3 +318,56 @@ def cmd_milestone(store, args) -> int:
     ck = store.set_milestone(args.step, not args.unset)
     print(f"checkpoint {ck.step} is {'now' if ck.milestone else 'no longer'} a milestone")
     return EXIT_OK
+
+
+def _key_args(p) -> None:
+    p.add_argument("action", choices=["list", "add", "remove"], help="list the keys, add one, or remove one")
+    p.add_argument("id", nargs="?", help="the key to remove (its id, as `cas key list` shows it)")
+    p.add_argument("--new-key-file", help="add: the new key's file (32 raw bytes, or a passphrase; default "
+                                          "$CAS_NEW_KEY_FILE, else a prompt on a terminal)")
+    p.add_argument("--json", action="store_true")
+
+
+@command("key", "the keys of an encrypted store: list, add (--new-key-file), remove ID; the store opens "
+         "with the key in the file $CAS_KEY_FILE names", _key_args)
+def cmd_key(store, args) -> int:
+    if not store.encrypted:
+        return usage_error(f"the store at {store.path} is not encrypted: it has no keys (a store is encrypted "
+                           "when created with a key: cas.open(path, key=...), or any command creating one with "
+                           "$CAS_KEY_FILE set)")
+    if args.action == "list":
+        ids = store.key_ids()
+        if args.json:
+            emit_json({"keys": ids, "opened_with": store.key_id})
+        else:
+            for key_id in ids:
+                print(f"{key_id}{'  (this key)' if key_id == store.key_id else ''}")
+        return EXIT_OK
+    if args.action == "add":
+        new_key = _new_key(args)
+        key_id = store.add_key(new_key)
+        emit_json({"added": key_id}) if args.json else print(f"added key {key_id}")
+        return EXIT_OK
+    if not args.id:
+        return usage_error("cas key remove needs the id of the key to remove (cas key list shows them)")
+    store.remove_key(args.id)
+    emit_json({"removed": args.id}) if args.json else print(f"removed key {args.id}")
+    return EXIT_OK
+
+
+def _new_key(args):
+    import getpass
+    import os
+
+    from cas.crypt import read_key_file
+
+    path = args.new_key_file or os.environ.get("CAS_NEW_KEY_FILE")
+    if path:
+        return read_key_file(path)
+    if not sys.stdin.isatty():
+        raise CasError("cas key add needs the new key: --new-key-file PATH or $CAS_NEW_KEY_FILE (no terminal to "
+                       "prompt on)")
+    first = getpass.getpass("new passphrase: ")
+    if first != getpass.getpass("again: "):
+        raise CasError("the two passphrases differ; no key was added")
+    return first

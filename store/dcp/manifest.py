@@ -123,13 +123,13 @@ def _tensor_item(fqn: str, md: TensorStorageMetadata) -> dict:
 
 
 def build_manifest(metadata: Metadata, results: list[list[WriteResult]], chunk_size: int,
-                   files: FileObjects) -> Manifest:
+                   files: FileObjects, namer=None) -> Manifest:
     """The state tree of a DCP checkpoint: a root value node referring to a metadata node (DCP's
     Metadata as plain values), a tensors node ({fqn: [tensor node per stored chunk]}) and a values
     node ({fqn: {"v": value}, {"bytesio": bytes, "pos": int} or {"pickle": bytes}}). `files`
     checks the ranks' replacement files."""
     reported = _results_by_index(results)
-    nodes = NodeWriter()
+    nodes = NodeWriter(namer) if namer is not None else NodeWriter()
     items, shards, values, sharding = {}, {}, {}, {}
     keys: list[bytes] = []
     replacements: dict[bytes, set[str]] = {}

@@ -21,12 +21,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from cas.codecs import CodecPolicy, parse_header
 from cas.errors import CasError, MissingObjectError
-from cas.hashing import hash_bytes
+from cas.crypt import namer_of
 from cas.localfs import LocalBackend
 from cas.objectfiles import FileObjects
 from cas.chains import decode_chain, last_below, walk_chain
 
 from .. import layout as L
+from ..location import Location
 from .. import pipeline
 from .. import tensors as T
 from ..bases import DELTA_MIN_BYTES, TensorBases
@@ -51,10 +52,13 @@ class RankObjects:
     any other existing file it writes a replacement under a temporary name (`replacements`),
     which the coordinator puts in place at the commit only if the index does not hold the key."""
 
-    def __init__(self, path: str, *, compress: bool, level: int, workers: int) -> None:
+    def __init__(self, path: str, *, compress: bool, level: int, workers: int, key=None) -> None:
         layout = L.Layout(path)
         self.config = L.read_config(layout)
-        self.files = FileObjects(LocalBackend(layout.root))  # the store's folder, no index
+        where = Location("local", layout.root, LocalBackend(layout.root))
+        where.unlock(self.config, key)  # an encrypted store: its files sealed, its names keyed
+        self.files = FileObjects(where.backend)  # the store's folder, no index
+        self.namer = namer_of(where.backend)
         self.codec = CodecPolicy(compress=compress, level=level)
         self.workers = workers
         self._seen: set[bytes] = set()
@@ -73,7 +77,7 @@ class RankObjects:
         `base` = (key, bytes, depth, below) of a confirmed stored chunk it may be coded against
         as a delta (below: (its own base's key, that base's bytes), for a `linear` delta, used
         when the stored chunk's header still names that base). Deltas written go to `written`."""
-        key = hash_bytes(view)
+        key = self.namer.key(view)
         with self._lock:
             known = key in self._seen
             self._seen.add(key)
@@ -117,7 +121,8 @@ class RankObjects:
 
         try:
             chain = walk_chain([key], base_of)
-            raw = decode_chain(chain, blobs.__getitem__, pipeline.root_buffer(nbytes), check_each=True)
+            raw = decode_chain(chain, blobs.__getitem__, pipeline.root_buffer(nbytes), check_each=True,
+                               namer=self.namer)
             return key, raw, 0, last_below(nbytes) if len(chain) > 1 else None
         except CasError:
             return None

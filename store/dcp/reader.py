@@ -86,10 +86,11 @@ class Loaded:
     values: dict  # fqn -> {"v": value} or {"pickle": bytes}
 
 
-def read_manifest(given: CheckpointStore | None, path: str, step: int | None, cache_dir: str | None = None) -> Loaded:
+def read_manifest(given: CheckpointStore | None, path: str, step: int | None, cache_dir: str | None = None,
+                  key=None) -> Loaded:
     """Resolve the checkpoint and read its whole manifest; the index is open only meanwhile
     (a bucket store's cache in `cache_dir`, see StoreOptions)."""
-    with opened(given, path, create=False, readonly=True, cache_dir=cache_dir) as store:
+    with opened(given, path, create=False, readonly=True, cache_dir=cache_dir, key=key) as store:
         reader = store.reader(step)
         ck = reader.checkpoint
         root = reader.node(reader.commit()["tree"], "value", "")["v"]
@@ -299,10 +300,11 @@ class CasReader(StorageReader):
     bucket itself, so no rank needs another's cache."""
 
     def __init__(self, path: str | os.PathLike | CheckpointStore, *, step: int | None = None, allow_pickle: bool = False,
-                 workers: int | None = None, cache_dir: str | os.PathLike | None = None) -> None:
+                 workers: int | None = None, cache_dir: str | os.PathLike | None = None, key=None) -> None:
         super().__init__()
         self._store, self.path = store_and_path(path)
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.key = key  # an encrypted store's (StoreOptions.key)
         self.step = step
         self.allow_pickle = allow_pickle
         self.workers = workers or min(os.cpu_count() or 2, 8)
@@ -334,7 +336,7 @@ class CasReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self._loaded is None:
             try:
-                self._loaded = read_manifest(self._store, self.path, self.step, self.cache_dir)
+                self._loaded = read_manifest(self._store, self.path, self.step, self.cache_dir, self.key)
             except CasError as exc:
                 self.error = exc
                 raise
@@ -396,7 +398,7 @@ class CasReader(StorageReader):
         if not items:
             return
         with opened(self._store, self.path, create=False, readonly=True, workers=self.workers,
-                    cache_dir=self.cache_dir) as store, \
+                    cache_dir=self.cache_dir, key=self.key) as store, \
                 ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cas-dcp") as pool:
             for batch in pipeline.batches(_regions(items, loaded.shards), lambda r: r[0].buffer.size,
                                           READ_WINDOW_BYTES):
@@ -411,11 +413,11 @@ class CasReader(StorageReader):
 
 def load(state: dict, path: str | os.PathLike | CheckpointStore, step: int | None = None, *, planner: LoadPlanner | None = None,
          process_group=None, no_dist: bool = False, allow_pickle: bool = False,
-         workers: int | None = None, cache_dir: str | os.PathLike | None = None) -> Checkpoint:
+         workers: int | None = None, cache_dir: str | os.PathLike | None = None, key=None) -> Checkpoint:
     """dcp.load through a CasReader (the latest checkpoint when `step` is None), in place, at
     any world size; returns the checkpoint loaded. A missing step is CheckpointNotFoundError and
     any other failure a CasError, on every rank."""
-    reader = CasReader(path, step=step, allow_pickle=allow_pickle, workers=workers, cache_dir=cache_dir)
+    reader = CasReader(path, step=step, allow_pickle=allow_pickle, workers=workers, cache_dir=cache_dir, key=key)
     what = f"DCP load of step {'latest' if step is None else step} from {reader.path}"
     # a rank that could not read the manifest says why, exactly (reader.error)
     with as_cas_errors(what, lambda: reader.error):

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from cas.codecs import CodecPolicy
 from cas.errors import CasError, MissingObjectError
-from cas.hashing import hash_bytes
+from cas.crypt import namer_of
 from cas.objectstore import WriteSession
 from cas.packs import PackEntry, PackFiles
 
@@ -95,9 +95,11 @@ class SegmentObjects:
     thread that fills one. `stored`: the keys the coordinator confirmed (held until its commit)."""
 
     def __init__(self, location: Location, *, compress: bool, level: int, workers: int,
-                 stored: set[bytes]) -> None:
+                 stored: set[bytes], key=None) -> None:
         self.config = location.read_config()
+        location.unlock(self.config, key)  # an encrypted store: segments sealed, names keyed
         self.packs = PackFiles(location.backend)
+        self.namer = namer_of(location.backend)
         self.codec = CodecPolicy(compress=compress, level=level)
         self.workers = workers
         self.stored = stored
@@ -115,7 +117,7 @@ class SegmentObjects:
 
     def put_chunk(self, view: np.ndarray, group: int, base: tuple | None = None) -> bytes:
         """Hash one chunk and add it to the current segment unless it is stored or written."""
-        key = hash_bytes(view)
+        key = self.namer.key(view)
         with self._lock:
             known = key in self._seen or key in self.stored
             self._seen.add(key)

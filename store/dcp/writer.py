@@ -303,7 +303,7 @@ class CasWriter(StorageWriter):
         if self.in_bucket:
             return self._write_segments(plan, planner)
         objects = RankObjects(self.path, compress=self.options.compress, level=self.options.compression_level,
-                              workers=self.workers)
+                              workers=self.workers, key=self.options.key)
         deltas = None
         if self.delta:
             if not bases.answers(plan.storage_data, self.step):
@@ -331,7 +331,8 @@ class CasWriter(StorageWriter):
         bucket, their places reported in the results (store/dcp/segments.py)."""
         objects = segments.SegmentObjects(locate(self.path), compress=self.options.compress,
                                           level=self.options.compression_level, workers=self.workers,
-                                          stored=segments.confirmed(plan.storage_data, self.step))
+                                          stored=segments.confirmed(plan.storage_data, self.step),
+                                          key=self.options.key)
         results = write_rank_items(plan, planner, objects)
         objects.sync()
         objects.report(results)
@@ -360,7 +361,7 @@ class CasWriter(StorageWriter):
 
     def _commit(self, pending: PendingCommit, metadata: Metadata, results: list[list[WriteResult]]) -> Checkpoint:
         store, session = pending.store, pending.session
-        manifest = build_manifest(metadata, results, store.chunk_size, store.objects.files)
+        manifest = build_manifest(metadata, results, store.chunk_size, store.objects.files, store.objects.namer)
         if self.in_bucket:
             segments.adopt_segments(session, manifest.chunk_keys, results)
         else:

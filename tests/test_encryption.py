@@ -1,0 +1,442 @@
+"""Encryption at rest (cas/crypt.py): no plaintext in any byte a store writes, keyed object names,
+keys added and removed without rewriting data, clear key errors, tampering named, and kills at
+the fault points of a save and of key changes losing nothing. Real files, real LMDB, the real
+SeaweedFS server; scrypt runs with small parameters here ($CAS_SCRYPT_LOG_N)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_same
+from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
+
+import cas
+from cas import crypt
+from cas.errors import (CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, NotEncryptedError,
+                        WrongKeyError)
+
+MARK_TENSOR = b"MARKER-xyz-tensor-0123456789-"
+MARK_VALUE = "MARKER-xyz-value-abcdefghij"
+MARK_META = "MARKER-xyz-meta-klmnopqrst"
+MARK_METRIC = "MARKER_xyz_metric_uvwxyz"
+MARKS = [MARK_TENSOR, MARK_VALUE.encode(), MARK_META.encode(), MARK_METRIC.encode()]
+RAW_KEY = bytes(range(32))
+
+
+@pytest.fixture(autouse=True)
+def fast_kdf(monkeypatch):
+    monkeypatch.setenv(crypt.SCRYPT_ENV, "10")  # tests only: the default is 2^17 (128 MiB, ~0.4 s)
+
+
+def marked_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    marker = torch.frombuffer(bytearray(MARK_TENSOR * 4000), dtype=torch.uint8)
+    return {"model": {"w": torch.randn(256, 512, generator=g), "marker": marker, "small": torch.arange(10)},
+            "note": MARK_VALUE, "step": seed}
+
+
+def save_marked(store, step: int = 1):
+    return store.save(marked_state(), step=step, meta={"note": MARK_META}, metrics={MARK_METRIC: 1.5})
+
+
+def found_marks(files) -> set[bytes]:
+    hits = set()
+    for data in files:
+        hits |= {m for m in MARKS if m in data}
+    return hits
+
+
+def folder_bytes(root) -> list[bytes]:
+    out = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                out.append(f.read())
+    return out
+
+
+def test_no_plaintext_anywhere_in_an_encrypted_folder(tmp_path):
+    # compress=False: unencrypted, the marker would lie in the chunks as it is (the control shows it)
+    plain, enc = tmp_path / "plain", tmp_path / "enc"
+    with cas.open(plain, compress=False, chunk_size=64 << 10) as store:
+        save_marked(store)
+    assert found_marks(folder_bytes(plain)) == set(MARKS)  # the scan finds them where they are
+    with cas.open(enc, key="a passphrase", compress=False, chunk_size=64 << 10) as store:
+        assert store.created and store.encrypted
+        save_marked(store, 1)
+        save_marked(store, 2)
+        store.delete(1)
+        store.gc()  # rewrites packs, writes a gc entry
+        assert_same(store.load(2), marked_state())
+        assert store.verify().ok
+    with cas.open(enc, key="a passphrase") as store:
+        assert store.get(2).meta == {"note": MARK_META} and store.get(2).metrics == {MARK_METRIC: 1.5}
+        assert_same(store.load(2), marked_state())
+    assert found_marks(folder_bytes(enc)) == set()  # every file: objects, packs, log, LMDB, keys, config
+
+
+def test_no_plaintext_in_a_bucket_store(s3_url, tmp_path):
+    from cas.s3 import S3Backend
+
+    cache = tmp_path / "cache"
+    with cas.open(s3_url, key=RAW_KEY, compress=False, chunk_size=64 << 10, cache_dir=str(cache)) as store:
+        save_marked(store, 1)
+        save_marked(store, 2)
+        assert_same(store.load(1), marked_state())
+    with cas.open(s3_url, key=RAW_KEY, cache_dir=str(tmp_path / "fresh")) as fresh:  # another host, no cache
+        assert_same(fresh.load(2), marked_state())
+        assert fresh.get(1).meta == {"note": MARK_META}
+        fresh.save(marked_state(3), step=3)
+        report = fresh.gc(keep_last=2)  # the bucket's gc protocol: intent, delete, rewritten segments
+        assert [ck.step for ck in report.removed] == [1] and fresh.verify().ok
+        assert_same(fresh.load(3), marked_state(3))
+    bucket = S3Backend.from_url(s3_url)  # the bucket as it is, no keys
+    names = bucket.list("")
+    assert any(n.startswith("packs/") for n in names) and any(n.startswith("keys/") for n in names)
+    assert found_marks(bytes(bucket.get(n)) for n in names) == set()
+    assert found_marks(folder_bytes(cache)) == set()  # the host's LMDB cache holds sealed records
+    with pytest.raises(KeyRequiredError):
+        cas.open(s3_url, cache_dir=str(tmp_path / "c2"))
+
+
+def _names(store) -> set[bytes]:
+    with store.index.read() as txn:
+        return {k for k, _ in store.index.iter_records(txn)}
+
+
+def test_two_keys_share_no_object_names_and_one_store_dedups(tmp_path):
+    state = {"w": torch.randn(1 << 21), "b": torch.ones(5), "s": "same"}  # 8 MiB
+    stores = [cas.open(tmp_path / "a", key="key one"), cas.open(tmp_path / "b", key="key two"),
+              cas.open(tmp_path / "p")]
+    try:
+        cks = [s.save(state, step=1) for s in stores]
+        names = [_names(s) for s in stores]
+        assert not names[0] & names[1] and not names[0] & names[2] and not names[1] & names[2]
+        assert len({ck.id for ck in cks}) == 3
+        blobs = [set(s.backend.list("objects/")) | set(s.backend.list("packs/")) for s in stores]
+        assert not blobs[0] & blobs[1]
+        again = stores[0].save(state, step=2)  # unchanged: only a commit node is new
+        assert again.new_bytes < 0.01 * again.logical_bytes
+        assert again.id != cks[0].id and _names(stores[0]) - names[0]  # its commit node
+        assert_same(stores[0].load(2), state)
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_key_errors_are_clear(tmp_path):
+    path = tmp_path / "s"
+    with cas.open(path, key="right") as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    with pytest.raises(KeyRequiredError, match="encrypted: give its key"):
+        cas.open(path)
+    with pytest.raises(WrongKeyError, match="wrong, or it was removed"):
+        cas.open(path, key="wrong")
+    with pytest.raises(WrongKeyError):
+        cas.open(path, key=RAW_KEY)
+    with pytest.raises(CasError, match="raw key is 32 bytes"):
+        cas.open(path, key=b"short")
+    with cas.open(tmp_path / "plain") as plain:
+        plain.save({"a": torch.ones(3)}, step=1)
+    with pytest.raises(NotEncryptedError):
+        cas.open(tmp_path / "plain", key="right")
+    for exc in (KeyRequiredError, WrongKeyError, NotEncryptedError, KeyRemovalRefusedError):
+        assert issubclass(exc, CasError)
+
+
+def test_keys_added_and_removed_without_rewriting_data(tmp_path):
+    path = tmp_path / "s"
+    with cas.open(path, key="first") as store:
+        store.save({"a": torch.arange(100)}, step=1)
+        first = store.key_id
+        before = {n: store.backend.inner.get(n) for n in store.backend.list("objects/") + store.backend.list("packs/")}
+        raw_id = store.add_key(RAW_KEY)
+        second = store.add_key("second")
+        assert set(store.key_ids()) == {first, raw_id, second}
+        with pytest.raises(KeyRemovalRefusedError, match="opened with"):
+            store.remove_key(first)
+    with cas.open(path, key=RAW_KEY) as store:  # a raw key: no KDF
+        assert store.key_id == raw_id
+        assert_same(store.load(1), {"a": torch.arange(100)})
+        store.remove_key(first)
+        store.remove_key(second)
+        with pytest.raises(KeyRemovalRefusedError):
+            store.remove_key(raw_id)  # the last one, and the one it was opened with
+        after = {n: store.backend.inner.get(n) for n in before}
+        assert after == before  # not one byte of data rewritten
+    with pytest.raises(WrongKeyError, match="removed"):
+        cas.open(path, key="first")
+    with cas.open(path, key=RAW_KEY) as store:
+        assert store.key_ids() == [raw_id]
+
+
+class _Ran:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """`cas ...` run in this process (cas.cli.main, exit status and output), $CAS_KEY_FILE set
+    to `key_file`: a process per command costs seconds of torch imports on this machine."""
+    from cas.cli import main
+
+    def run(*args, key_file=None) -> _Ran:
+        if key_file is None:
+            monkeypatch.delenv("CAS_KEY_FILE", raising=False)
+        else:
+            monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return _Ran(code, out.out, out.err)
+    return run
+
+
+def test_the_cli_reads_the_key_file_and_manages_keys(tmp_path, cli):
+    path, k1, k2, raw = tmp_path / "s", tmp_path / "k1", tmp_path / "k2", tmp_path / "raw"
+    k1.write_text("passphrase one\n")  # one trailing newline is stripped
+    k2.write_text("passphrase two")
+    raw.write_bytes(RAW_KEY)
+    with cas.open(path, key="passphrase one") as store:
+        store.save({"a": torch.ones(4)}, step=7)
+    out = cli("--store", path, "ls", key_file=k1)
+    assert out.returncode == 0 and "7" in out.stdout
+    env = {k: v for k, v in os.environ.items() if k != "CAS_KEY_FILE"}
+    missing = subprocess.run([sys.executable, "-m", "cas", "--store", str(path), "ls"], env=env,
+                             capture_output=True, text=True, timeout=120)  # the real command, once
+    assert missing.returncode == 2 and "encrypted" in missing.stderr and "CAS_KEY_FILE" in missing.stderr
+    wrong = cli("--store", path, "ls", key_file=k2)
+    assert wrong.returncode == 2 and "does not open" in wrong.stderr
+    added = cli("--store", path, "key", "add", "--new-key-file", raw, key_file=k1)
+    assert added.returncode == 0, added.stderr
+    raw_id = added.stdout.split()[-1]
+    listed = cli("--store", path, "key", "list", "--json", key_file=raw)
+    assert listed.returncode == 0 and raw_id in listed.stdout
+    first = [line.split()[0] for line in cli("--store", path, "key", "list", key_file=k1).stdout.splitlines()
+             if "this key" in line][0]
+    refused = cli("--store", path, "key", "remove", first, key_file=k1)
+    assert refused.returncode == 2 and "opened with" in refused.stderr
+    assert cli("--store", path, "key", "remove", first, key_file=raw).returncode == 0
+    assert cli("--store", path, "ls", key_file=k1).returncode == 2
+    assert cli("--store", path, "verify", key_file=raw).returncode == 0
+    new = cli("--store", tmp_path / "new", "import", tmp_path / "none.pt", key_file=k1)
+    assert new.returncode == 2 and not (tmp_path / "new").exists()  # a failed first command leaves no store
+    made = cli("--store", tmp_path / "plain", "import", tmp_path / "none.pt")
+    assert made.returncode == 2
+
+
+def test_a_flipped_byte_is_a_corruption_error_naming_the_object(tmp_path, cli):
+    path = tmp_path / "s"
+    with cas.open(path, key="k", chunk_size=64 << 10, pack_max=1024) as store:
+        store.save({"big": torch.randn(1 << 16), "small": torch.arange(8)}, step=1)
+        files = store.backend.list("objects/")
+        target = files[0]
+        key_hex = target.rpartition("/")[2]
+        blob = store.backend.path(target)
+    data = bytearray(open(blob, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    with open(blob, "wb") as f:
+        f.write(data)
+    with cas.open(path, key="k") as store:
+        with pytest.raises(CorruptionError, match=key_hex) as err:
+            store.load(1)
+        assert "authentication" in str(err.value)
+        report = store.verify()
+        assert not report.ok and any(key_hex in str(p) for p in report.problems)
+    key_file = tmp_path / "key"
+    key_file.write_text("k")
+    out = cli("--store", path, "verify", key_file=key_file)
+    assert out.returncode == 1 and key_hex in out.stdout + out.stderr
+    repaired = cli("--store", path, "repair", key_file=key_file)  # quarantines it, rebuilds the cache
+    assert repaired.returncode == 0 and key_hex in repaired.stdout, repaired.stdout + repaired.stderr
+    assert (path / "quarantine" / key_hex).exists()
+
+
+def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
+    path = tmp_path / "s"
+    with cas.open(path, key="k") as store:
+        store.save({"a": torch.arange(50), "b": torch.arange(60)}, step=1)
+        pack = store.backend.list("packs/")[0]
+        objs = None
+        pack_file = store.backend.path(pack)
+    data = bytearray(open(pack_file, "rb").read())
+    data[crypt.HEADER + 5] ^= 0x80
+    open(pack_file, "wb").write(data)
+    with cas.open(path, key="k") as store:
+        with pytest.raises(CorruptionError, match=r"object [0-9a-f]{64}"):
+            store.load(1)
+    # a sealed blob under another name fails: its name is its associated data
+    with cas.open(tmp_path / "m", key="k", chunk_size=64 << 10, pack_max=1024) as store:
+        store.save({"x": torch.randn(1 << 15), "y": torch.randn(1 << 15)}, step=1)
+        objs = [store.backend.path(n) for n in store.backend.list("objects/")]
+    a, b = open(objs[0], "rb").read(), open(objs[1], "rb").read()
+    open(objs[0], "wb").write(b)
+    open(objs[1], "wb").write(a)
+    with cas.open(tmp_path / "m", key="k") as store, pytest.raises(CorruptionError, match="authentication"):
+        store.load(1)
+
+
+@pytest.mark.parametrize("size", [0, 1, crypt.SEGMENT - 1, crypt.SEGMENT, crypt.SEGMENT + 1, 3 * crypt.SEGMENT + 7])
+def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
+    from cas.localfs import LocalBackend
+
+    (tmp_path / "tmp").mkdir()
+    keys = crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY))
+    backend = crypt.EncryptedBackend(LocalBackend(str(tmp_path)), keys)
+    data = os.urandom(size)
+    parts = [data[:size // 3], data[size // 3:size // 2], data[size // 2:]]
+    assert backend.put_if_absent("log/x", parts)
+    assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == crypt.sealed_size(size)
+    assert backend.get("log/x") == data
+    for start, length in [(0, 10), (size // 2, 100), (crypt.SEGMENT - 3, 10), (max(size - 5, 0), 50)]:
+        assert backend.get("log/x", start, length) == data[start:start + length]
+    buf = bytearray(size + 10)
+    assert bytes(backend.get("log/x", buffer=lambda n: memoryview(buf))) == data
+    staged = backend.stage("objects/ab/" + "ab" * 32, [data])
+    assert backend.peek(staged, 64) == (size, data[:64])
+    backend.discard(staged)
+    sealed = (tmp_path / "log" / "x").read_bytes()
+    if size >= crypt.SEGMENT:  # cut at a segment boundary: the last segment left does not say it is last
+        (tmp_path / "log" / "y").write_bytes(sealed[:crypt.HEADER + crypt.SEGMENT + crypt.TAG])
+        with pytest.raises(CorruptionError):
+            backend.get("log/y")
+    (tmp_path / "log" / "z").write_bytes(sealed)  # the same bytes under another name
+    with pytest.raises(CorruptionError):
+        backend.get("log/z")
+
+
+def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(tmp_path):
+    state = {"w": torch.randn(1000), "n": "x"}
+    with cas.open(tmp_path / "src", key="k") as src:
+        src.save(state, step=1)
+        report = src.push(tmp_path / "copy")  # created encrypted with the source's master key
+        assert [ck.step for ck in report.copied] == [1]
+        src.save({"w": torch.randn(1000)}, step=2)
+        with cas.open(tmp_path / "other", key="k") as other:  # the same passphrase, its own master key
+            with pytest.raises(CasError, match="master key"):
+                src.push(other)
+        with cas.open(tmp_path / "plain") as plain:
+            with pytest.raises(CasError, match="both stores plain"):
+                src.push(plain)
+            with pytest.raises(CasError, match="cannot copy"):
+                plain.pull(tmp_path / "src")
+    with cas.open(tmp_path / "copy", key="k") as copy:
+        assert copy.encrypted and copy.verify().ok
+        assert_same(copy.load(1), state)
+        assert copy.pull(tmp_path / "src").copied[0].step == 2
+    assert found_marks(folder_bytes(tmp_path / "copy")) == set()
+
+
+def test_a_mirror_of_an_encrypted_store_is_encrypted_alike(tmp_path):
+    with cas.open(tmp_path / "src", key="k", mirror=tmp_path / "mirror") as src:
+        src.save({"w": torch.randn(500), "note": MARK_VALUE}, step=1)
+        src.wait(30)
+        assert src.mirror_status().pending == []
+    with cas.open(tmp_path / "mirror", key="k") as mirror:
+        assert mirror.encrypted and [ck.step for ck in mirror.checkpoints()] == [1]
+    assert found_marks(folder_bytes(tmp_path / "mirror")) == set()
+
+
+def test_dcp_save_and_load_into_an_encrypted_store(tmp_path):
+    from cas.store.dcp import load, save
+
+    state = {"w": torch.randn(64, 64), "marker": torch.frombuffer(bytearray(MARK_TENSOR * 100), dtype=torch.uint8)}
+    save(state, tmp_path / "d", step=1, no_dist=True, key=RAW_KEY, compress=False)
+    out = {"w": torch.zeros(64, 64), "marker": torch.zeros(len(MARK_TENSOR) * 100, dtype=torch.uint8)}
+    load(out, tmp_path / "d", no_dist=True, key=RAW_KEY)
+    assert_same(out, state)
+    assert found_marks(folder_bytes(tmp_path / "d")) == set()
+    with cas.open(tmp_path / "d", key=RAW_KEY) as store:
+        assert store.verify().ok
+
+
+WORKER = r"""
+import sys, torch, cas
+path, what = sys.argv[1], sys.argv[2]
+with cas.open(path, key="old", chunk_size=64 << 10, pack_max=4096) as store:
+    if what == "save":
+        store.save({"w": torch.randn(40000, generator=torch.Generator().manual_seed(3)), "s": torch.arange(9)}, step=3)
+    elif what == "add":
+        store.add_key("new")
+    else:
+        store.remove_key([k for k in store.key_ids() if k != store.key_id][0])
+"""
+
+
+def _w(step: int) -> torch.Tensor:
+    return torch.randn(40000, generator=torch.Generator().manual_seed(step))
+
+
+def _killed(path, what, point) -> int:
+    env = dict(os.environ, CAS_FAULTS=f"{point}=kill")
+    return subprocess.run([sys.executable, "-c", WORKER, str(path), what], env=env, capture_output=True,
+                          timeout=120).returncode
+
+
+@pytest.mark.parametrize("what,point", [("save", "session.file_written"), ("save", "commit.in_txn"),
+                                        ("add", "keys.adding"), ("add", "keys.added"),
+                                        ("remove", "keys.removing"), ("remove", "keys.removed")])
+def test_killed_at_a_fault_point_loses_nothing(tmp_path, what, point):
+    path = tmp_path / "s"
+    with cas.open(path, key="old", chunk_size=64 << 10, pack_max=4096) as store:
+        for step in (1, 2):
+            store.save({"w": _w(step), "s": torch.arange(9)}, step=step)
+        extra = store.add_key("extra") if what == "remove" else None
+    assert _killed(path, what, point) == -signal.SIGKILL
+    with cas.open(path, key="old") as store:
+        steps = [ck.step for ck in store.checkpoints()]
+        assert steps[:2] == [1, 2] and (steps == [1, 2, 3]) == (point == "commit.in_txn")
+        for step in steps:
+            assert torch.equal(store.load(step)["w"], _w(step))
+        assert store.verify().ok
+        ids = store.key_ids()
+    if what == "add":
+        opened = True
+        try:
+            cas.open(path, key="new").close()
+        except WrongKeyError:
+            opened = False
+        assert opened == (point == "keys.added") and len(ids) == 1 + opened
+    if what == "remove":
+        assert (extra in ids) == (point == "keys.removing")
+
+
+def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key_file(tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    from test_lightning import Tiny, fitted
+
+    from cas.store.lightning import CasCheckpointIO, load_marked
+
+    io = CasCheckpointIO(tmp_path / "store", key="k")
+    model = fitted(0, 1, io, dirpath=tmp_path / "ckpt", save_last=True)
+    io.store.close()
+    assert found_marks(folder_bytes(tmp_path / "store")) == set()
+    marker = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(KeyRequiredError):
+        load_marked(marker)
+    (tmp_path / "key").write_text("k\n")
+    monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "key"))
+    loaded = load_marked(marker)  # read without the plugin: the store opened with $CAS_KEY_FILE's key
+    assert_same(loaded["state_dict"], model.state_dict())
+    assert isinstance(Tiny.load_from_checkpoint(str(marker)), Tiny)
+
+
+def test_delta_chains_in_an_encrypted_store(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1 << 16, generator=g)
+    states = [{"w": w + i * 1e-6} for i in range(4)]
+    with cas.open(tmp_path / "d", key="k", delta=True, max_chain=2, chunk_size=64 << 10) as store:
+        for step, state in enumerate(states):
+            store.save(state, step=step)
+        assert store.stats().stored_bytes < sum(s["w"].numel() * 4 for s in states)  # deltas paid
+    with cas.open(tmp_path / "d", key="k", delta=True) as store:  # a fresh open reads its bases back
+        store.save({"w": w + 9e-6}, step=9)
+        for step, state in enumerate(states):
+            assert_same(store.load(step), state)
+        assert store.verify().ok
