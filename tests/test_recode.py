@@ -216,3 +216,16 @@ def test_dcp_saves_are_written_whole_and_the_coordinator_recodes_the_one_before(
         target = {k: torch.zeros_like(v) for k, v in drifting(step).items()}
         cdcp.load(target, tmp_path / "s", step, no_dist=True)
         assert torch.equal(target["w"], drifting(step)["w"])
+
+
+def test_an_encrypted_store_recodes_too(tmp_path):
+    key = bytes(range(32))
+    with cas.open(tmp_path / "s", key=key, chunk_size=64 << 10) as store:
+        for step in range(3):
+            store.save(drifting(step), step=step)
+        store.wait()
+        assert all(store.objects.record(k).base is not None for k in w_chunks_of(store, 0))
+        assert store.verify().ok
+    with cas.open(tmp_path / "s", key=key) as store:
+        for step in range(3):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
