@@ -126,7 +126,10 @@ class PackFiles(Fanout):
     def keys(self, pack: bytes) -> list[bytes]:
         """The keys of a pack's entries: from its footer (one read of its tail), else walked."""
         size = self.size(pack)
-        listed = self.listed(pack, size) if size is not None else None
+        try:
+            listed = self.listed(pack, size) if size is not None else None
+        except CorruptionError:  # a damaged footer: the entries up to the damage, walked
+            listed = None
         return [e.key for e in listed] if listed is not None else [key for key, _, _ in self.entries(pack)]
 
     def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
