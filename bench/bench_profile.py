@@ -14,7 +14,9 @@ timed runs) say where the time goes:
   load: read (object and pack reads), zstd (decompressing), ungroup, verify (blake3), the rest
 
 Stage times are thread-seconds summed over the worker threads (two of them work at once on this
-2-core machine, so the sum can exceed the wall time); nested stages are shown under their parent.
+2-core machine, so the sum can exceed the wall time), and the CPU time of the same calls
+(time.thread_time: what the stage costs whatever else runs; time waiting for a core or the disk
+is in the first figure only); nested stages are shown under their parent.
 
     .venv/bin/python bench/bench_profile.py                  # 256 MiB, 5 reps
     .venv/bin/python bench/bench_profile.py --mib 1024 --reps 3
@@ -48,24 +50,26 @@ MiB = 1 << 20
 class Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         self._undo: list = []
 
-    def add(self, stage: str, seconds: float) -> None:
+    def add(self, stage: str, seconds: float, cpu: float = 0.0) -> None:
         with self._lock:
             self.seconds[stage] += seconds
+            self.cpu[stage] += cpu
             self.calls[stage] += 1
 
     def wrap(self, owner, name: str, stage: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.add(stage, time.perf_counter() - start)
+                self.add(stage, time.perf_counter() - start, time.thread_time() - cpu)
 
         setattr(owner, name, timed)
         self._undo.append((owner, name, original))
@@ -77,11 +81,11 @@ class Timers:
         @contextmanager
         def timed(*args, **kwargs):
             with original(*args, **kwargs) as value:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 try:
                     yield value
                 finally:
-                    timers.add(stage, time.perf_counter() - start)
+                    timers.add(stage, time.perf_counter() - start, time.thread_time() - cpu)
 
         setattr(owner, name, timed)
         self._undo.append((owner, name, original))
@@ -97,11 +101,11 @@ class _TimedCompressor:
         self._inner, self._timers = inner, timers
 
     def compress(self, data):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return self._inner.compress(data)
         finally:
-            self._timers.add("save.encode.zstd", time.perf_counter() - start)
+            self._timers.add("save.encode.zstd", time.perf_counter() - start, time.thread_time() - cpu)
 
 
 def instrument(timers: Timers) -> None:
@@ -230,18 +234,16 @@ def profile(state, scratch: str) -> dict:
     instrument(timers)
     try:
         wall_save = cas_save(state, where, compress=True)
-        save_stages = dict(timers.seconds)
-        save_calls = dict(timers.calls)
-        timers.seconds.clear()
-        timers.calls.clear()
+        save_stages, save_cpu, save_calls = dict(timers.seconds), dict(timers.cpu), dict(timers.calls)
+        for table in (timers.seconds, timers.cpu, timers.calls):
+            table.clear()
         wall_load = timed(lambda: cas_load(where))
-        load_stages = dict(timers.seconds)
-        load_calls = dict(timers.calls)
+        load_stages, load_cpu, load_calls = dict(timers.seconds), dict(timers.cpu), dict(timers.calls)
     finally:
         timers.undo()
         _remove(where)
-    return {"save": {"wall": wall_save, "stages": save_stages, "calls": save_calls},
-            "load": {"wall": wall_load, "stages": load_stages, "calls": load_calls}}
+    return {"save": {"wall": wall_save, "stages": save_stages, "cpu": save_cpu, "calls": save_calls},
+            "load": {"wall": wall_load, "stages": load_stages, "cpu": load_cpu, "calls": load_calls}}
 
 
 def _du(path: str) -> int:
@@ -260,11 +262,13 @@ def _remove(path: str) -> None:
 def print_profile(prof: dict) -> None:
     for phase in ("save", "load"):
         p = prof[phase]
-        print(f"\n{phase}: wall {p['wall'] * 1e3:.1f} ms; stages in thread-ms (calls)")
+        print(f"\n{phase}: wall {p['wall'] * 1e3:.1f} ms; per stage: thread-ms (time inside it, summed over "
+              f"threads), CPU-ms (of it on a CPU), calls")
         stages = p["stages"]
         for stage in sorted(stages):
             depth = stage.count(".") - 1
-            print(f"  {'  ' * depth}{stage:<24s} {stages[stage] * 1e3:8.1f}  ({p['calls'][stage]})")
+            print(f"  {'  ' * depth}{stage:<24s} {stages[stage] * 1e3:8.1f} {p['cpu'][stage] * 1e3:8.1f}  "
+                  f"({p['calls'][stage]})")
 
 
 def codec_parts() -> dict:

@@ -211,3 +211,18 @@ def test_an_aborted_save_leaves_no_temporary_pack(tmp_path):
         session.abort()
         assert tmp_files(store) == []
         assert [ck.step for ck in store.checkpoints()] == [1]
+
+
+def test_a_damaged_pack_entry_never_lands_in_a_restore_target(tmp_path):
+    with open_store(tmp_path / "s", compress=False) as store:
+        model = torch.nn.Linear(256, 256)
+        store.save({"model": model}, step=1)
+        key = chunk_keys(store, 1, "model.weight")[2]
+        _flip_entry(store, key, at=200)
+        target = torch.nn.Linear(256, 256)
+        before = target.weight.detach().clone()
+        with pytest.raises(CorruptionError, match=key.hex()):
+            store.restore({"model": target})
+        chunk = (64 << 10) // 4
+        rows = slice(2 * chunk // 256, 3 * chunk // 256)  # the damaged chunk's rows are as they were
+        assert torch.equal(target.weight.detach()[rows], before[rows])
