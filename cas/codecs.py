@@ -111,7 +111,8 @@ def group_bytes(raw: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarr
         # than numpy's strided byte copy below
         wide = scratch(raw.size, "shift").view(_UNSIGNED[element_size])
         elements = raw.view(_UNSIGNED[element_size])
-        for k in range(element_size):
+        np.copyto(planes[0], elements, casting="unsafe")  # the low byte needs no shift
+        for k in range(1, element_size):
             np.copyto(planes[k], np.right_shift(elements, 8 * k, out=wide), casting="unsafe")
         return out
     elements = raw.reshape(-1, element_size)
