@@ -226,3 +226,19 @@ def test_a_damaged_pack_entry_never_lands_in_a_restore_target(tmp_path):
         chunk = (64 << 10) // 4
         rows = slice(2 * chunk // 256, 3 * chunk // 256)  # the damaged chunk's rows are as they were
         assert torch.equal(target.weight.detach()[rows], before[rows])
+
+
+def test_a_reused_pack_entry_with_a_damaged_header_is_written_again(tmp_path):
+    """The reuse check reads each reused entry's header, as it reads a reused file's: a save
+    over a zeroed magic writes the chunk again, which heals the older checkpoint too."""
+    state = {"w": torch.randn(256, 1024)}
+    with open_store(tmp_path / "s") as store:
+        store.save(state, step=1)
+        key = chunk_keys(store, 1, "w")[1]
+        old = records(store)[key]
+        _flip_entry(store, key, at=0)
+        store.save(state, step=2)
+        assert records(store)[key].pack != old.pack  # a fresh copy, in step 2's pack
+        for step in (1, 2):
+            assert torch.equal(store.load(step)["w"], state["w"])
+        assert store.verify().ok
