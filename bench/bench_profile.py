@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -174,11 +175,18 @@ def torch_save(state, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def cas_save(state, path: str, compress: bool) -> float:
+def cpu_now() -> float:
+    """This process's CPU seconds so far, every thread, user and system (the kernel's copies
+    into the page cache and its page faults included; disk writeback by kernel threads not)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cas_save(state, path: str, compress: bool) -> tuple[float, float]:
     with cas.open(path, compress=compress) as store:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_now()
         store.save(state, step=1)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, cpu_now() - cpu
 
 
 def cas_load(path: str):
@@ -192,6 +200,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def timed_cpu(fn) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), cpu_now()
+    fn()
+    return time.perf_counter() - start, cpu_now() - cpu
+
+
 def summary(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "runs": values}
 
@@ -201,27 +215,32 @@ def compare(state, scratch: str, reps: int, cold: bool) -> dict:
     names = ("torch", "cas", "cas raw")
     saves = {n: [] for n in names}
     loads = {n: [] for n in names}
+    save_cpu = {n: [] for n in names}
+    load_cpu = {n: [] for n in names}
     sizes = {}
     for rep in range(reps + 1):  # the first round is a warm-up
         for name in names:
             where = os.path.join(scratch, f"{name.replace(' ', '_')}-{rep}")
             if name == "torch":
-                t = timed(lambda: torch_save(state, where))
+                t, c = timed_cpu(lambda: torch_save(state, where))
             else:
-                t = cas_save(state, where, compress=name == "cas")
+                t, c = cas_save(state, where, compress=name == "cas")
             sizes[name] = _du(where)
             if cold:
                 drop_cache(where)
             if name == "torch":
-                lt = timed(lambda: torch.load(where, weights_only=True))
+                lt, lc = timed_cpu(lambda: torch.load(where, weights_only=True))
             else:
-                lt = timed(lambda: cas_load(where))
+                lt, lc = timed_cpu(lambda: cas_load(where))
             if rep:
                 saves[name].append(t)
                 loads[name].append(lt)
+                save_cpu[name].append(c)
+                load_cpu[name].append(lc)
             _remove(where)
     return {"save": {n: summary(v) for n, v in saves.items()}, "load": {n: summary(v) for n, v in loads.items()},
-            "bytes": sizes}
+            "save_cpu": {n: summary(v) for n, v in save_cpu.items()},
+            "load_cpu": {n: summary(v) for n, v in load_cpu.items()}, "bytes": sizes}
 
 
 def profile(state, scratch: str) -> dict:
@@ -233,7 +252,7 @@ def profile(state, scratch: str) -> dict:
     timers = Timers()
     instrument(timers)
     try:
-        wall_save = cas_save(state, where, compress=True)
+        wall_save, _ = cas_save(state, where, compress=True)
         save_stages, save_cpu, save_calls = dict(timers.seconds), dict(timers.cpu), dict(timers.calls)
         for table in (timers.seconds, timers.cpu, timers.calls):
             table.clear()
@@ -325,11 +344,14 @@ def main() -> None:
             result["compare"] = comp = compare(state, scratch, args.reps, args.cold)
             ref_s, ref_l = comp["save"]["torch"], comp["load"]["torch"]
             print(f"{args.mib} MiB randn fp32 in {args.tensors} tensors, {args.reps} interleaved runs "
-                  f"({'cold' if args.cold else 'warm'} loads); seconds min / median, ratio to torch by min (median)")
+                  f"({'cold' if args.cold else 'warm'} loads); wall seconds min / median, ratio to torch by min "
+                  f"(median); CPU seconds of the process (all threads) min / median, ratio by median")
             for what, ref in (("save", ref_s), ("load", ref_l)):
                 for name, s in comp[what].items():
+                    c, cref = comp[f"{what}_cpu"][name], comp[f"{what}_cpu"]["torch"]
                     print(f"  {what} {name:<8s} {s['min']:.3f} / {s['median']:.3f}   "
-                          f"{s['min'] / ref['min']:.2f}x ({s['median'] / ref['median']:.2f}x)")
+                          f"{s['min'] / ref['min']:.2f}x ({s['median'] / ref['median']:.2f}x)   "
+                          f"CPU s {c['min']:.3f} / {c['median']:.3f}  {c['median'] / cref['median']:.2f}x")
             for name, size in comp["bytes"].items():
                 print(f"  bytes {name:<8s} {size / MiB:8.1f} MiB  {size / comp['bytes']['torch']:.3f}")
             if not args.no_profile:
