@@ -111,45 +111,12 @@ def numpy_bytes(a: np.ndarray) -> np.ndarray:
 def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """A fresh CPU tensor and a writable uint8 view of its bytes."""
     t = torch.empty(shape, dtype=torch_dtype(dtype_name))
-    view = numpy_view(flat_bytes(t))
-    huge_pages(view)
-    return t, view
+    return t, numpy_view(flat_bytes(t))
 
 
 def empty_numpy(dtype_str: str, shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
     a = np.empty(shape, dtype=numpy_dtype(dtype_str))
-    view = a.reshape(-1).view(np.uint8)
-    huge_pages(view)
-    return a, view
-
-
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _libc_madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-_madvise = _libc_madvise() if hasattr(ctypes, "CDLL") else None
-
-
-def huge_pages(view: np.ndarray) -> None:
-    """Ask for transparent huge pages under a fresh output buffer of 4 MiB or more, before its
-    first byte is written (Linux; a hint, nothing else changes). A load writes every output byte
-    once, and first-touching fresh memory in 4 KiB pages cost more than decoding here: 32 MiB took
-    33-37 ms in 4 KiB pages, 8-9 ms in 2 MiB ones (THP in `madvise` mode, as on most distributions)."""
-    if _madvise is None or view.nbytes < 2 * _HUGE:
-        return
-    ptr = view.ctypes.data
-    start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + view.nbytes) & ~(_HUGE - 1)
-    if end > start:
-        _madvise(start, end - start, _MADV_HUGEPAGE)  # refused (no THP) is fine: 4 KiB pages then
+    return a, a.reshape(-1).view(np.uint8)
 
 
 def nbytes_of(dtype_size: int, shape: list[int]) -> int:
