@@ -23,8 +23,8 @@ from typing import Iterable, Iterator
 
 from .backend import MAX_BLOB, Buffer, Capabilities, Staged
 from .errors import BlobAbsentError, CasError, MissingObjectError
-from .fsutil import (OWNER_PREFIX, fsync_dir, fsync_file, host_tag, lock_held, name_new, owner_alive, owner_file, pid_alive,
-                     publish, read_head, tmp_owner, unlink_quietly, write_tmp)
+from .fsutil import (OWNER_PREFIX, fsync_dir, fsync_file, host_tag, lock_held, name_new, open_tmp, owner_alive, owner_file,
+                     pid_alive, publish, pwrite_parts, read_head, start_writeback, tmp_owner, unlink_quietly, write_tmp)
 
 TMP_FOLDER = "tmp"
 # fsutil.tmp_name's tail after `.<stem>`: host, pid, thread, owner token and random digits
@@ -45,6 +45,38 @@ class FileLease:
             unlink_quietly(self._path)  # gone first: nobody can take a lock on a file being ended
             os.close(self._fd)
             self._fd = None
+
+
+class StagedStream:
+    """A temporary file written piece by piece, at offsets, by several threads at once (a pack
+    streamed while a save encodes), named only when it is done (LocalBackend.stream)."""
+
+    def __init__(self, backend: "LocalBackend", token: str, fd: int) -> None:
+        self.backend, self.token, self._fd = backend, token, fd
+
+    def write_at(self, offset: int, parts: list) -> int:
+        return pwrite_parts(self._fd, parts, offset)
+
+    def writeback(self, offset: int, nbytes: int) -> None:
+        """Start writing a range to disk now (the fsync at close waits for less)."""
+        start_writeback(self._fd, offset, nbytes)
+
+    def close(self, name: str, *, fsync: bool = True) -> Staged:
+        """Stop writing (fsynced when asked); the file is then a staged blob for `name`, to
+        publish, replace or discard like any stage()'s."""
+        try:
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        return Staged(name, self.token)
+
+    def discard(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        unlink_quietly(os.path.join(self.backend.tmp_dir, self.token))
 
 
 class LocalBackend:
@@ -131,6 +163,12 @@ class LocalBackend:
 
     def stage(self, name: str, parts: Iterable, *, fsync: bool = False) -> Staged:
         return Staged(name, os.path.basename(write_tmp(self.path(name), parts, tmp_dir=self.tmp_dir, fsync=fsync)))
+
+    def stream(self, name_hint: str) -> StagedStream:
+        """A temporary file to write at offsets while its name is not known yet (a pack named by
+        what it holds once it is complete); `name_hint` is a blob name of its kind."""
+        tmp, fd = open_tmp(self.path(name_hint), tmp_dir=self.tmp_dir)
+        return StagedStream(self, os.path.basename(tmp), fd)
 
     def publish(self, staged: Staged, *, fsync: bool = False) -> bool:
         tmp, path = os.path.join(self.tmp_dir, staged.token), self.path(staged.name)

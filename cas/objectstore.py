@@ -33,10 +33,10 @@ from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedEr
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
 from .objectfiles import FileObjects
-from .packs import PACK_HEADER, PACK_TARGET, PackEntry, PackFiles
+from .packs import PACK_HEADER, PACK_TARGET, STREAM_TARGET, PackEntry, PackFiles, PackStream
 
 T = TypeVar("T")
-DEFAULT_PACK_MAX = 64 << 10  # encoded objects up to this size go into pack files
+DEFAULT_PACK_MAX = None  # None: every object goes into packs; N: encoded objects above N bytes get files
 RECHAIN_ATTEMPTS = 3  # decodes of an object along a chain looked up again because it moved meanwhile
 
 
@@ -70,13 +70,14 @@ def begin_lease(backend: Backend | None, lease: bytes, purpose: str):
 
 class ObjectStore:
     def __init__(self, index: Index, files: FileObjects, packs: PackFiles, codec: CodecPolicy,
-                 pack_max: int = DEFAULT_PACK_MAX, backend: Backend | None = None,
-                 pack_target: int = PACK_TARGET) -> None:
+                 pack_max: int | None = DEFAULT_PACK_MAX, backend: Backend | None = None,
+                 pack_target: int = PACK_TARGET, stream_target: int = STREAM_TARGET) -> None:
         self.index = index
         self.files = files
         self.packs = packs
         self.codec = codec
-        self.pack_max = pack_max
+        self.pack_max = pack_max  # None: no object files; large objects are streamed into packs
+        self.stream_target = stream_target  # a streamed pack is closed past this
         self.pack_target = pack_target  # a writer starts a new pack (a segment, in a bucket) past this
         # In an object store blobs are immutable and only gc deletes them, so an indexed pack
         # entry is trusted without asking the store per object (a HEAD each would cost an
@@ -102,7 +103,7 @@ class ObjectStore:
             try:
                 if rec is None or rec.where == WHERE_FILE:
                     return self.files.get(key, _read_buffer)
-                return self.packs.read(rec.pack, rec.offset, rec.stored_size, key)
+                return self.packs.read(rec.pack, rec.offset, rec.stored_size, key, _read_buffer)
             except MissingObjectError:
                 # gc may have repacked it, or a recode moved a file object into a pack, between our
                 # lookup and the read: look again
@@ -204,6 +205,12 @@ class WriteSession:
         self.recoded: set[bytes] = set()  # of those, the ones the commit indexes (known inside it)
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
+        # Packs written as objects arrive (local stores): the open one, every one not yet
+        # finished, and what the index will need of each entry once its pack has a name.
+        self._stream: PackStream | None = None
+        self._streams: list[PackStream] = []
+        self._streamed: dict[bytes, tuple] = {}  # key -> (raw size, base, depth)
+        self._no_stream = False  # the backend cannot stream: small objects gather in memory
         self._lock = threading.Lock()
         self._open = True
         # The lease file first (its lock is what proves this writer alive to gc, in any PID
@@ -300,6 +307,7 @@ class WriteSession:
         with self._lock:
             out = {key: rec.base for key, rec in self._written.items() if rec.base is not None}
             out.update((key, item[2]) for key, item in self._pending_small.items() if item[2] is not None)
+            out.update((key, item[1]) for key, item in self._streamed.items() if item[1] is not None)
             return out
 
     def _rotten(self, txn, key: bytes, rec: ObjectRecord | None) -> bool:
@@ -321,9 +329,9 @@ class WriteSession:
         return False
 
     def _header_sound(self, key: bytes, rec: ObjectRecord) -> bool:
-        """_file_agrees, for reuse: one 64-byte read per reused file (25-40 us here, within the
-        noise of a save of 4 MiB chunks), which finds a zeroed or damaged header before a save
-        builds on it; a damaged payload needs verify. A header naming an unknown format (a
+        """_file_agrees, for reuse: one 64-byte read per reused file or local pack entry (25-40
+        us here, within the noise of a save of 4 MiB chunks), which finds a zeroed or damaged
+        header before a save builds on it; a damaged payload needs verify. A header naming an unknown format (a
         flipped format byte) is not sound either, rather than an error that stops every save."""
         try:
             return self._file_agrees(key, rec)
@@ -349,16 +357,72 @@ class WriteSession:
         enc = self.store.codec.encode(raw, element_size, base[:2] if base else None, below)
         raw_size = memoryview(raw).nbytes
         depth = base[2] + 1 if enc.base else 0
-        if enc.size <= self.store.pack_max:
-            self._add_small(key, b"".join(bytes(p) for p in enc.parts), raw_size, enc.base, depth)
-        else:
+        self._place(key, enc.parts, enc.size, raw_size, enc.base, depth)
+        return enc.size
+
+    def _place(self, key: bytes, parts: list, size: int, raw_size: int, base: bytes | None, depth: int) -> None:
+        """Store one encoded object: a file of its own when it is larger than pack_max (when
+        set), else an entry of the pack being streamed (local stores), else gathered in memory
+        for a pack written at once (a bucket's segments). `parts` are consumed before this
+        returns (they may be a worker's reused buffers)."""
+        pack_max = self.store.pack_max
+        if pack_max is not None and size > pack_max:
             faults.point("session.before_file_write")
-            staged = self.store.files.stage(key, enc.parts)
+            staged = self.store.files.stage(key, parts)
             faults.point("session.file_written")
             with self._lock:
                 self._staged.append(staged)
-                self._written[key] = ObjectRecord(WHERE_FILE, enc.size, raw_size, base=enc.base, depth=depth)
-        return enc.size
+                self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size, base=base, depth=depth)
+        elif not self._no_stream and self._stream_entry(key, parts, size, raw_size, base, depth):
+            pass
+        else:
+            self._add_small(key, b"".join(parts), raw_size, base, depth)  # one copy, of buffers reused next
+
+    def _stream_entry(self, key: bytes, parts: list, size: int, raw_size: int, base: bytes | None,
+                      depth: int) -> bool:
+        """Write one entry into the streamed pack (opened on first use; closed and finished by
+        the writer whose entry takes it past stream_target); False where the backend cannot
+        stream."""
+        while True:
+            with self._lock:
+                stream = self._stream
+                if stream is None:
+                    stream = self.store.packs.stream()
+                    if stream is None:
+                        self._no_stream = True
+                        return False
+                    self._stream = stream
+                    self._streams.append(stream)
+            offset = stream.reserve(key, size, raw_size, base)
+            if offset is not None:
+                break
+            with self._lock:  # closed by another writer: the next entry opens the next pack
+                if self._stream is stream:
+                    self._stream = None
+        with self._lock:
+            self._streamed[key] = (raw_size, base, depth)
+            closing = stream.size >= self.store.stream_target and self._stream is stream
+            if closing:
+                self._stream = None
+        if closing:
+            stream.close()
+        stream.write(offset, key, parts)
+        if closing:
+            self._finish_stream(stream)
+        return True
+
+    def _finish_stream(self, stream: PackStream) -> None:
+        """Finish a streamed pack (waiting for its entries still being written) and record
+        where each of its objects lives; they are indexed at commit."""
+        pack, entries = stream.finish()
+        faults.point("session.pack_written")
+        with self._lock:
+            for e in entries:
+                raw_size, base, depth = self._streamed[e.key]
+                self._written[e.key] = ObjectRecord(WHERE_PACK, e.length, raw_size, pack, e.offset, base, depth)
+            for e in entries:
+                self._streamed.pop(e.key, None)
+            self._streams.remove(stream)
 
     def write_recoded(self, key: bytes, blob: bytes, raw_size: int, base: bytes, depth: int) -> None:
         """Store an object again as a delta of `base` (store/recode.py: an older checkpoint's
@@ -370,7 +434,9 @@ class WriteSession:
         with self._lock:
             self._moves.add(key)
             self._recoded.add(key)
-        self._add_small(key, blob, raw_size, base, depth)
+        size = memoryview(blob).nbytes
+        if self._no_stream or not self._stream_entry(key, [blob], size, raw_size, base, depth):
+            self._add_small(key, blob, raw_size, base, depth)
 
     def _recode_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord) -> bool:
         if current is None or current.base is not None or current.raw_size != rec.raw_size:
@@ -390,7 +456,7 @@ class WriteSession:
         its new record replaces the index's at the commit."""
         with self._lock:
             self._moves.add(key)
-        self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)
+        self._place(key, [blob], memoryview(blob).nbytes, rec.raw_size, rec.base, rec.depth)
 
     def put_encoded(self, key: bytes, blob, *, raw_size: int, base: bytes | None) -> int:
         """Store an object encoded elsewhere (another store's copy: push, pull, mirror) as it is,
@@ -414,13 +480,7 @@ class WriteSession:
         with self._lock:
             self._put[key] = depth
         size = memoryview(blob).nbytes
-        if size <= self.store.pack_max:
-            self._add_small(key, bytes(blob), raw_size, base, depth)
-        else:
-            staged = self.store.files.stage(key, [blob])
-            with self._lock:
-                self._staged.append(staged)
-                self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size, base=base, depth=depth)
+        self._place(key, [blob], size, raw_size, base, depth)
         return size
 
     def _add_small(self, key: bytes, blob: bytes, raw_size: int, base: bytes | None, depth: int) -> None:
@@ -551,11 +611,14 @@ class WriteSession:
         return self._is_stored(key, rec) and self._file_agrees(key, rec)
 
     def _file_agrees(self, key: bytes, rec: ObjectRecord) -> bool:
-        """Whether an indexed file object's header names the base its record does (a pack entry
-        is the pack's own)."""
-        if rec.where == WHERE_PACK:
-            return True
+        """Whether an indexed object's header names the base its record does: a file's, or a
+        local pack entry's (a bucket's segments are trusted, as in _is_stored)."""
         try:
+            if rec.where == WHERE_PACK:
+                if self.store.trust_packs:
+                    return True
+                head = self.store.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
+                return parse_header(head, key=key).base == rec.base
             return parse_header(self.store.files.head(key, 64), key=key).base == rec.base
         except CorruptionError:
             return False
@@ -570,6 +633,10 @@ class WriteSession:
         any (place_new), and each name is settled inside the transaction, which LMDB runs one
         at a time across processes (_settle)."""
         self._check_open()
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            self._finish_stream(stream)
         self._flush_pack()
         taken = [staged for staged in self._staged if not self.store.files.place_new(staged, fsync=True)]
         self._staged = taken  # discarded by abort() if the commit fails
@@ -608,6 +675,8 @@ class WriteSession:
         self._open = False
         self.store.session_ended()
         self.store.files.discard(self._staged)
+        for stream in list(self._streams):  # packs never finished: their temporary files go
+            stream.discard()
         try:
             with self.index.write() as txn:
                 self.index.end_lease(txn, self.lease)

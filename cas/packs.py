@@ -20,6 +20,7 @@ them; a format-1 pack is read by walking its entries.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -40,6 +41,8 @@ TAIL_READ = 64 << 10  # bytes read from a pack's end to find its footer (a secon
 PACK_HEADER = len(PACK_MAGIC)  # bytes before the first entry
 PACK_ENTRY_HEADER = _ENTRY.size  # bytes before each encoded object
 PACK_TARGET = 16 << 20  # a writer starts a new pack past this many bytes
+STREAM_TARGET = 256 << 20  # a streamed pack (a local save's chunks) is closed past this many bytes
+WRITEBACK_MIN = 1 << 20  # entries at least this large start their writeback at once (start_writeback)
 MAX_PACK = 1 << 31
 PREFIX = "packs"
 
@@ -91,10 +94,20 @@ class PackFiles(Fanout):
         self.backend.sync()
         return pack, placed
 
-    def read(self, pack: bytes, offset: int, length: int, key: bytes) -> bytes:
-        """One entry's bytes, as the index places them."""
+    def stream(self) -> "PackStream | None":
+        """A pack to write entry by entry while a save encodes, or None where the backend
+        cannot stream (a bucket: a segment is one PUT of its whole body)."""
+        opener = getattr(self.backend, "stream", None)
+        if opener is None or not self.backend.capabilities.batched_sync:
+            return None
+        return PackStream(self, opener(self.name(b"\0" * 32)))
+
+    def read(self, pack: bytes, offset: int, length: int, key: bytes, buffer=None):
+        """One entry's bytes, as the index places them (with `buffer`, read into the reusable
+        buffer it gives, as for object files)."""
         try:
-            data = self.backend.get(self.name(pack), offset, length) if offset >= 0 and length >= 0 else b""
+            data = self.backend.get(self.name(pack), offset, length, buffer=buffer) \
+                if offset >= 0 and length >= 0 else b""
         except BlobAbsentError:
             raise MissingObjectError(f"pack {to_hex(pack)} holding the object is missing", key=to_hex(key)) from None
         except MissingObjectError as exc:
@@ -112,6 +125,15 @@ class PackFiles(Fanout):
     def delete(self, pack: bytes) -> None:
         """Remove the pack (absent is fine); durable after the backend's sync()."""
         self.backend.delete(self.name(pack))
+
+    def keys(self, pack: bytes) -> list[bytes]:
+        """The keys of a pack's entries: from its footer (one read of its tail), else walked."""
+        size = self.size(pack)
+        try:
+            listed = self.listed(pack, size) if size is not None else None
+        except CorruptionError:  # a damaged footer: the entries up to the damage, walked
+            listed = None
+        return [e.key for e in listed] if listed is not None else [key for key, _, _ in self.entries(pack)]
 
     def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
         """(object key, offset, length) of each entry, read from the pack itself (for repair).
@@ -151,6 +173,103 @@ class PackFiles(Fanout):
         footer = tail[len(tail) - _TRAILER.size - length:len(tail) - _TRAILER.size] if end - length >= start \
             else self.backend.get(name, end - length, length)
         return _parse_footer(pack, footer, end - length)
+
+
+class PackStream:
+    """A pack written as its objects arrive, by several threads at once: each reserves the
+    next range (reserve), writes its entry there with no copy and no lock held (write), and
+    the pack is finished once the writer stops adding (finish): footer and trailer, one fsync,
+    its name. Memory holds no pack: only the entries' places.
+
+    Its name is the blake3 of its footer and trailer rather than of all its bytes: the footer
+    lists every entry's key, place, length, raw size and base, so two packs of one name hold the
+    same objects at the same places (each entry checked by its own key on every read, as
+    before); hashing the whole pack would read every byte again, or join it in memory. Nothing
+    reads a pack's name as a checksum of its bytes."""
+
+    def __init__(self, packs: PackFiles, staged) -> None:
+        self._packs, self._file = packs, staged
+        self._lock = threading.Condition()
+        self._end = PACK_HEADER
+        self._listed: list = []
+        self._writing = 0
+        self._failed = False
+        self.closed = False
+        staged.write_at(0, [PACK_MAGIC])
+
+    @property
+    def size(self) -> int:
+        return self._end
+
+    def reserve(self, key: bytes, length: int, raw_size: int, base: bytes | None) -> int | None:
+        """The offset of the entry's encoded object (its 36-byte entry header goes before it);
+        None once the pack is closed."""
+        with self._lock:
+            if self.closed:
+                return None
+            offset = self._end + _ENTRY.size
+            self._end = offset + length
+            self._listed.append([key, offset, length, raw_size, base])
+            self._writing += 1
+            return offset
+
+    def write(self, offset: int, key: bytes, parts: list) -> None:
+        """Write a reserved entry (in the reserving thread). A failed write still ends the
+        reservation, so finish() never waits for it; the pack then fails at finish."""
+        try:
+            length = sum(memoryview(p).nbytes for p in parts)
+            written = self._file.write_at(offset - _ENTRY.size, [_ENTRY.pack(key, length)] + list(parts))
+            if written != _ENTRY.size + length:
+                raise OSError(f"a pack entry was written short ({written} of {_ENTRY.size + length} bytes)")
+            if length >= WRITEBACK_MIN:
+                self._file.writeback(offset - _ENTRY.size, written)
+        except BaseException:
+            with self._lock:
+                self._writing -= 1
+                self._failed = True
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            self._writing -= 1
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """No more entries (the next reserve gets None)."""
+        with self._lock:
+            self.closed = True
+
+    def finish(self) -> tuple[bytes, list[PackEntry]]:
+        """Wait for the entries being written, write footer and trailer, fsync and name the pack
+        (create-only; an existing pack of the name holds the same entries at the same places,
+        and is replaced only as PackFiles.write replaces: a damaged copy is healed). Returns its
+        key and entries."""
+        with self._lock:
+            self.closed = True
+            while self._writing:
+                self._lock.wait()
+            listed = list(self._listed)
+        if self._failed:
+            self.discard()
+            raise OSError("writing a pack entry failed; the pack is discarded")
+        footer = msgpack.packb(listed, use_bin_type=True)
+        tail = footer + _TRAILER.pack(len(footer), FOOTER_MAGIC)
+        if self._file.write_at(self._end, [tail]) != len(tail):
+            self.discard()
+            raise OSError("a pack footer was written short")
+        pack = hash_bytes(tail)
+        backend = self._packs.backend
+        staged = self._file.close(self._packs.name(pack), fsync=True)
+        try:
+            if not backend.publish(staged):
+                backend.replace(staged)
+        except BaseException:
+            backend.discard(staged)
+            raise
+        return pack, [PackEntry(k, o, n, r, b) for k, o, n, r, b in listed]
+
+    def discard(self) -> None:
+        """Drop the pack's temporary file (a save that aborts)."""
+        self._file.discard()
 
 
 def _footer_size(data) -> int:

@@ -25,12 +25,12 @@ from cas.errors import CasError, CorruptionError
 from cas.fsutil import pid_alive
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
-from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER
+from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER, PACK_TARGET
 from cas.progress import ProgressCallback
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
-from .bucket import sweep_bucket
+from .bucket import REWRITE_BELOW, sweep_bucket
 from .retention import Retention, keep_unmirrored
 
 SWEEP_BATCH = 512
@@ -297,24 +297,30 @@ def compact_packs(store, report: GcReport) -> None:
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
     it may be that writer's own pack, not yet committed. Rewrites are planned against the free
     space: the pack freeing the most that fits goes next, and one that fits nowhere waits for a
-    later gc (named in report.deferred) rather than failing this one and every one after it."""
+    later gc (named in report.deferred) rather than failing this one and every one after it.
+    A large pack (a save's streamed chunks, past PACK_TARGET) is rewritten only once its live
+    entries hold under REWRITE_BELOW of its bytes, as in a bucket: rewriting 200 MiB to free a
+    few would cost more than the space is worth, and its dead entries go when it is emptier."""
     packs, index = store.objects.packs, store.index
     index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
     for pack in list(packs.iterate()):
         try:
-            entries = [key for key, _, _ in packs.entries(pack)]
+            entries = packs.keys(pack)  # its footer: one read of its tail
         except (CorruptionError, OSError):
             continue  # a damaged pack (or one another gc removed) is verify's business, never gc's
         with index.write() as txn:
             if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 continue
-            live = [k for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack]
+            recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
+            live = list(recs)
+            size = packs.size(pack) or 0
             if not live:
-                report.reclaimed_bytes += packs.size(pack) or 0
+                report.reclaimed_bytes += size
                 packs.delete(pack)
                 report.packs_removed += 1
-            elif len(live) < len(entries):
+            elif len(live) < len(entries) and (size <= PACK_TARGET or PACK_HEADER + sum(
+                    PACK_ENTRY_HEADER + rec.stored_size for rec in recs.values()) < REWRITE_BELOW * size):
                 rewrite[pack] = live
     plans = {pack: _repack_sizes(store, pack, live) for pack, live in rewrite.items()}
     while plans:

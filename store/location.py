@@ -152,7 +152,7 @@ class Location:
         return os.access(layout.root, os.W_OK) and (not os.path.exists(layout.index)
                                                     or os.access(layout.index, os.W_OK))
 
-    def packing(self, pack_max: int) -> tuple[int, int]:
+    def packing(self, pack_max: int | None) -> tuple[int | None, int]:
         """(pack_max, pack_target) for writers here: a folder's as configured; in a bucket every
         object goes into segments of SEGMENT_BYTES (one PUT per segment, never a name two writers
         could race to fill with two encodings of one object)."""

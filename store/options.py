@@ -39,7 +39,9 @@ class StoreOptions:
     nothing. chunk_size: fixed when the store is created (default 4 MiB). compress,
     compression_level: zstd (level 1 by default). workers: hashing and encoding threads
     (default: the CPU count; loads use twice as many). window_bytes: chunk bytes in flight
-    while saving. pack_max: encoded objects up to this size share pack files. max_inflight:
+    while saving. pack_max: None (the default) puts every object into pack files, large ones
+    streamed into a few large packs as they are encoded; N gives each encoded object larger than
+    N bytes a file of its own under objects/ (the layout before streamed packs). max_inflight:
     save_async calls in flight at once. delta: True (the default) writes every save whole and
     then, in the background, re-encodes the chunks it replaced as deltas of the new ones (the
     newest checkpoint restores at full speed; store/recode.py; stores in a bucket save whole);
@@ -62,7 +64,7 @@ class StoreOptions:
     compression_level: int = 1
     workers: int | None = None
     window_bytes: int = DEFAULT_WINDOW_BYTES
-    pack_max: int = DEFAULT_PACK_MAX
+    pack_max: int | None = DEFAULT_PACK_MAX
     max_inflight: int = 1
     delta: bool | str = True
     max_chain: int = DEFAULT_MAX_CHAIN
@@ -93,6 +95,8 @@ class StoreOptions:
             raise CasError(f"cache_dir must be a folder's path or None, got {self.cache_dir!r}")
         for name in ("window_bytes", "pack_max"):
             value = getattr(self, name)
+            if name == "pack_max" and value is None:
+                continue
             if type(value) is not int or value < 0:
                 raise CasError(f"{name} must be a number of bytes (an int >= 0), got {value!r}")
 

@@ -272,7 +272,7 @@ def test_a_target_that_refuses_its_state_leaves_the_model_untouched(store):
 def test_a_damaged_chunk_never_lands_in_a_restore_target(tmp_path):
     """Restore decodes into the caller's tensors: a damaged chunk is refused before any of its
     bytes reach them (each chunk ends up as it was, or as the checkpoint holds it)."""
-    with cas.open(tmp_path / "s", chunk_size=64 << 10, compress=False) as store:
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, compress=False, pack_max=4096) as store:
         model = torch.nn.Linear(256, 256)  # 256 KiB of weight: 4 chunks as files
         store.save({"model": model}, step=1)
         key = next(t for t in store.tensors(1) if t["path"] == "model.weight")["chunks"][2]

@@ -65,3 +65,39 @@ def test_linear_prediction_is_the_documented_formula_also_in_place(element_size,
     motion = motion_of(base, below, element_size, np.empty(n, dtype=np.uint8))
     got = linear_prediction(base, motion, element_size, shift, motion)
     assert [int(v) for v in got.view(u)] == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(element_size=st.sampled_from([2, 4, 8]), count=st.integers(40_000, 300_000), seed=st.integers(0, 2**32 - 1),
+       pattern=st.lists(st.sampled_from(["random", "skewed", "zero"]), min_size=8, max_size=8))
+def test_planes_left_raw_make_one_zstd_frame_any_reader_decodes(element_size, count, seed, pattern):
+    """An object whose byte planes compress unevenly is one zstd frame in which the planes zstd
+    cannot shrink are raw blocks: it decodes exactly, through cas and through a plain zstd
+    decoder (what cas before per-plane coding runs), whichever planes are left raw (before,
+    between and after the compressed ones)."""
+    import zstandard
+
+    from cas.codecs import CodecPolicy, decode_into, parse_header
+    from cas.hashing import hash_bytes
+
+    rng = np.random.default_rng(seed)
+    planes = []
+    for kind in pattern[:element_size]:
+        if kind == "random":
+            planes.append(rng.integers(0, 256, count, dtype=np.uint8))
+        elif kind == "skewed":  # an exponent byte: a few values, unevenly
+            planes.append(rng.choice(np.arange(120, 130, dtype=np.uint8), count, p=np.linspace(1, 10, 10) / 55))
+        else:
+            planes.append(np.zeros(count, dtype=np.uint8))
+    raw = np.stack(planes, axis=1).reshape(-1)  # element i's byte k is planes[k][i]
+    key = hash_bytes(raw)
+    enc = CodecPolicy().encode(raw, element_size)
+    blob = b"".join(bytes(p) for p in enc.parts)
+    assert np.array_equal(decode_into(blob, key), raw)
+    head = parse_header(blob, key=key)
+    if head.stages:
+        payload = blob[head.payload_offset:]
+        grouped = zstandard.ZstdDecompressor().decompress(payload)
+        assert grouped == np.concatenate(planes).tobytes()
+    if all(kind == "random" for kind in pattern[:element_size]):
+        assert head.stages == ()  # nothing to gain: stored raw

@@ -31,6 +31,14 @@ def nudged(seed: int) -> torch.Tensor:
     return tensor(seed) * (1 + 1e-6)
 
 
+def save_streamed(path: str, step: int, seeds: str) -> None:
+    """Save with the default packing (every object streamed into packs), a pack closed past
+    256 KiB so that one save writes several."""
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.objects.stream_target = 256 << 10
+        store.save(state_of([int(s) for s in seeds.split("+")]), step=step)
+
+
 def save_nudged(path: str, step: int, seed: int) -> None:
     """Save {"t": nudged(seed)} without deltas: whole objects, another encoding of the same keys."""
     with cas.open(path, chunk_size=64 << 10, pack_max=4096, delta=False) as store:
@@ -142,8 +150,8 @@ def repair(path: str) -> None:
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    fn = {"save": save, "save_async": save_async, "save_nudged": save_nudged, "save_packed": save_packed, "gc": gc,
+    fn = {"save": save, "save_streamed": save_streamed, "save_async": save_async, "save_nudged": save_nudged, "save_packed": save_packed, "gc": gc,
           "save_loop": save_loop, "load_loop": load_loop, "load_all": load_all, "open_only": open_only,
           "hold_lease": hold_lease, "repair": repair, "recode_series": recode_series}[cmd]
-    fn(*[int(a) if a.isdigit() and fn in (save, save_async, save_nudged, save_packed, save_loop) else a
+    fn(*[int(a) if a.isdigit() and fn in (save, save_streamed, save_async, save_nudged, save_packed, save_loop) else a
          for a in args])
