@@ -13,6 +13,7 @@ from typing import Iterator
 
 from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
+from .gc.collect import compact_packs
 from .progress import ProgressCallback
 from .store import Checkpoint, interop
 from .store import CheckpointStore
@@ -164,6 +165,17 @@ class Store(CheckpointStore):
         """Per step, the stored bytes only that checkpoint references: what deleting it would free."""
         self._check_open()
         return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)
+
+    def after_recode(self, packs: set[bytes]) -> None:
+        """Give back the space of the full copies a recode superseded: the packs it left dead
+        entries in are compacted as gc would (gc's rules: a large pack once under half live)."""
+        if self.readonly or not self.location.local:
+            return
+        try:
+            compact_packs(self, GcReport(), only=packs)
+        except Exception as exc:  # noqa: BLE001 - nothing is lost: the next gc compacts them
+            warnings.warn(f"cas: compacting the packs a recode left dead entries in failed ({type(exc).__name__}: "
+                          f"{exc}); the next gc does it", RuntimeWarning, stacklevel=2)
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep

@@ -340,6 +340,10 @@ class EncryptedBackend:
         self.capabilities = inner.capabilities
         self._salts: dict[str, bytes] = {}  # blob name -> salt, for ranged reads (bounded)
 
+    # No streamed packs: their entries would reach the inner backend's file unsealed (packs are
+    # gathered in memory and sealed whole instead; cas/packs.py PackFiles.stream).
+    stream = None
+
     def __getattr__(self, attr):  # path(), root, url, ...: the inner backend's
         return getattr(self.inner, attr)
 

@@ -256,7 +256,7 @@ class PackStream:
         if self._file.write_at(self._end, [tail]) != len(tail):
             self.discard()
             raise OSError("a pack footer was written short")
-        pack = hash_bytes(tail)
+        pack = namer_of(self._packs.backend).key(tail)  # keyed in an encrypted store
         backend = self._packs.backend
         staged = self._file.close(self._packs.name(pack), fsync=True)
         try:

@@ -292,7 +292,7 @@ def _delete(store, txn, key: bytes, report: GcReport) -> int:
     return rec.stored_size if rec is not None and size else size
 
 
-def compact_packs(store, report: GcReport) -> None:
+def compact_packs(store, report: GcReport, only=None) -> None:
     """Remove packs no record points to, then rewrite packs that hold dead entries so that only
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
     it may be that writer's own pack, not yet committed. Rewrites are planned against the free
@@ -300,11 +300,12 @@ def compact_packs(store, report: GcReport) -> None:
     later gc (named in report.deferred) rather than failing this one and every one after it.
     A large pack (a save's streamed chunks, past PACK_TARGET) is rewritten only once its live
     entries hold under REWRITE_BELOW of its bytes, as in a bucket: rewriting 200 MiB to free a
-    few would cost more than the space is worth, and its dead entries go when it is emptier."""
+    few would cost more than the space is worth, and its dead entries go when it is emptier.
+    `only`: these packs alone (those a recode left dead entries in), where they still exist."""
     packs, index = store.objects.packs, store.index
     index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
-    for pack in list(packs.iterate()):
+    for pack in list(packs.iterate()) if only is None else [p for p in only if packs.size(p) is not None]:
         try:
             entries = packs.keys(pack)  # its footer: one read of its tail
         except (CorruptionError, OSError):

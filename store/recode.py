@@ -87,8 +87,9 @@ def _lower_priority() -> None:
 class Recoder:
     """Runs recodes in the background, one at a time in commit order, on low-priority threads."""
 
-    def __init__(self, objects, workers: int) -> None:
+    def __init__(self, objects, workers: int, on_recoded=None) -> None:
         self.objects = objects
+        self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-recode",
                                         initializer=_lower_priority)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-recode-w",
@@ -108,7 +109,10 @@ class Recoder:
         `released(previous)` runs when done (its buffers may be reused)."""
         def run() -> None:
             try:
-                self.recoded += recode(self.objects, plan(previous, current, max_chain), self._pool, label)
+                count, packs = recode(self.objects, plan(previous, current, max_chain), self._pool, label)
+                self.recoded += count
+                if packs and self.on_recoded is not None:
+                    self.on_recoded(packs)
             except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
                 for cur in current.values():
                     cur.tails = [[] for _ in cur.keys]
@@ -133,11 +137,12 @@ class Recoder:
         self._pool.shutdown(wait=True)
 
 
-def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> int:
+def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> tuple[int, set]:
     """Re-encode each pair's older chunk as a delta of its newer one in one write session;
-    returns how many the commit indexed. Their tails are set for the next recode."""
+    returns how many the commit indexed, and the packs that held their copies before (dead
+    entries now, for the caller to compact). Their tails are set for the next recode."""
     if not pairs:
-        return 0
+        return 0, set()
     with objects.session(f"recode {label}") as session:
         stored = session.hold([p.key for p in pairs] + [p.base for p in pairs])
         present = dict(zip([p.key for p in pairs] + [p.base for p in pairs], stored))
@@ -148,6 +153,7 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
                     and session.depth(p.key) == 0 and session.depth(p.base) == 0:
                 seen.add(p.key)
                 todo.append(p)
+        before = {p.key: objects.record(p.key) for p in todo}
         written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p), todo)) if ok]
         faults.point("recode.encoded")
         by_key = {p.key: p for p in written}
@@ -168,7 +174,8 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
         cur, i = p.where
         cur.tails[i] = [p.key] + p.tail
     _remove_superseded(objects, settled)
-    return len(settled)
+    packs = {rec.pack for key in settled if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
+    return len(settled), packs
 
 
 def _recode_one(objects, session, p: Pair) -> bool:

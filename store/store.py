@@ -109,7 +109,7 @@ class CheckpointStore:
         self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
-        self._recoder = Recoder(self.objects, self._workers)  # reverse deltas, after each commit
+        self._recoder = Recoder(self.objects, self._workers, self.after_recode)  # reverse deltas, after each commit
         self._closed = False
 
     # --- the index: a cache of the store -------------------------------------------------
@@ -449,6 +449,10 @@ class CheckpointStore:
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Called after every committed save (DCP's too); the public store applies retention here."""
+
+    def after_recode(self, packs: set[bytes]) -> None:
+        """Called (on the recode thread) with the packs in which a recode left dead entries; the
+        public store compacts them there, so the space of the full copies comes back at once."""
 
     # --- load ---------------------------------------------------------------------------
     def reader(self, step: int | None = None) -> CheckpointReader:

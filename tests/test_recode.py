@@ -229,3 +229,22 @@ def test_an_encrypted_store_recodes_too(tmp_path):
     with cas.open(tmp_path / "s", key=key) as store:
         for step in range(3):
             assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+
+
+def test_the_space_of_the_full_copies_a_recode_supersedes_comes_back_without_a_gc(tmp_path):
+    """Chunks stream into packs; once a checkpoint's chunks are recoded, the pack holding their
+    full copies is mostly dead and is compacted right after the recode."""
+    def on_disk(path) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path / "packs") for f in fs)
+
+    with cas.open(tmp_path / "d", chunk_size=64 << 10) as store, \
+            cas.open(tmp_path / "p", chunk_size=64 << 10, delta=False) as plain:
+        for step in range(6):
+            store.save(drifting(step), step=step)
+            plain.save(drifting(step), step=step)
+        store.wait()
+        assert on_disk(tmp_path / "d") < 0.85 * on_disk(tmp_path / "p")
+        assert on_disk(tmp_path / "d") < 1.1 * store.stats().stored_bytes
+        for step in range(6):
+            assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+        assert store.verify().ok
