@@ -256,13 +256,17 @@ class CodecPolicy:
             plain_sample, planes = self._sample_planes(view, group)
         if base is not None and base[1].size == n and can_delta(group or 1):
             shift, delta_sample = self._best_prediction(view, group or 1, base[1], below)
-            if delta_sample < margin * plain_sample:
+            # against the whole sample coded as the delta's is (plane by plane it is smaller, which
+            # kept chunks whole that a delta shrinks)
+            if delta_sample < margin * self._sample_size(view, group, floats=False):
                 reference = base[1]
                 if shift is not None:
                     motion = motion_of(base[1], below, group or 1, scratch(n, "prediction"))
                     reference = linear_prediction(base[1], motion, group or 1, shift, motion)
                 delta = sub_delta(view, reference, group or 1, scratch(n, "delta"))
-                packed = self._pack(delta, group)
+                # zstd's own level-1 parameters: a delta's planes are small integers with long
+                # zero runs, not floats (FLOAT_ZSTD made fp32 deltas 2-3 points larger)
+                packed = self._pack(delta, group, floats=False)
                 if len(packed) < n:
                     first = (STAGE_SUB, group or 1) if shift is None else (STAGE_LINEAR, group or 1)
                     stages = (first,) + self._packed_stages(group)
@@ -281,10 +285,10 @@ class CodecPolicy:
         """The header stages of what `_pack` makes: [bytegroup,] zstd."""
         return (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, _level_field(self.level)),)
 
-    def _pack(self, data: np.ndarray, group: int) -> bytes:
+    def _pack(self, data: np.ndarray, group: int, floats: bool = True) -> bytes:
         if group:
             data = group_bytes(data, group, scratch(data.size))
-        return _zstd_c(self.level, floats=bool(group)).compress(data)
+        return _zstd_c(self.level, floats=floats and bool(group)).compress(data)
 
     def _pack_planes(self, data: np.ndarray, group: int, planes: list) -> list | None:
         """Payload parts of one zstd frame holding the grouped bytes, in which only the planes
@@ -334,7 +338,8 @@ class CodecPolicy:
         sizes = [len(cctx.compress(p)) for p in grouped]
         return sum(sizes), [size < SAMPLE_MAX_RATIO * grouped.shape[1] for size in sizes]
 
-    def _sample_size(self, view: np.ndarray, group: int, reference: np.ndarray | None = None) -> int:
+    def _sample_size(self, view: np.ndarray, group: int, reference: np.ndarray | None = None,
+                     floats: bool = True) -> int:
         """Compressed size of a SAMPLE_BYTES sample (as a delta from `reference`, a sample of
         the same spread, when given): SAMPLE_PIECES slices spread over the object, since one end
         of a tensor can differ from the rest (an embedding's first rows are its most frequent
@@ -344,7 +349,7 @@ class CodecPolicy:
             sample = sub_delta(sample, reference, max(group, 1), np.empty_like(sample))
         if group:
             sample = group_bytes(sample, group, np.empty(sample.size, dtype=np.uint8))
-        return len(_zstd_c(self.level, floats=bool(group)).compress(sample))
+        return len(_zstd_c(self.level, floats=floats and bool(group) and reference is None).compress(sample))
 
 
 def _size(parts) -> int:
