@@ -25,10 +25,12 @@ from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
-# Host memory for copies of a save's tensors, from which the recode of the save before it reads
-# (two saves' worth at most are alive); beyond it both chunks are read back from the store, so a
-# large model does not double its host memory because deltas are on by default.
-DEFAULT_DELTA_MEMORY = 2 << 30
+# Host memory for copies of a save's tensors, from which the recode of the save before it (or a
+# forward delta) reads. Default none: the recode reads both chunks back from the store, in the
+# background. Measured (bench/bench_delta.py, fp32 state every 10 steps, quiet): with the copy the
+# saves took 1.27x a store without deltas (the copy is on the training path), without it 0.98x,
+# and the bytes are the same; a large model's host memory is not doubled either.
+DEFAULT_DELTA_MEMORY = 0
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class StoreOptions:
     newest checkpoint restores at full speed; store/recode.py; stores in a bucket save whole);
     "forward" codes each save's changed chunks against the previous save's instead (the newest
     is the deepest); False: no deltas. max_chain: how deep such chains may grow; delta_memory:
-    bytes of the last save kept in memory for that (default 2 GiB; None: all of them; the rest
-    is read back from the store).
+    bytes of the last save kept in memory for that (default 0: every base is read back from
+    the store; None: all of them, which makes forward saves faster).
     cache_dir: where a bucket store's LMDB cache lives (default $CAS_CACHE_DIR, else
     ~/.cache/cas); two processes with different cache folders behave as two hosts.
     signing_key: an ed25519 private key (32 raw bytes, PEM or OpenSSH bytes, a path to such a
