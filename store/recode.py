@@ -158,7 +158,8 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
                 seen.add(p.key)
                 todo.append(p)
         before = {p.key: objects.record(p.key) for p in todo}
-        written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p), todo)) if ok]
+        written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p, before[p.key].raw_size),
+                                                     todo)) if ok]
         faults.point("recode.encoded")
         by_key = {p.key: p for p in written}
 
@@ -182,10 +183,9 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
     return len(settled), packs
 
 
-def _recode_one(objects, session, p: Pair) -> bool:
-    """Encode one older chunk as a delta of its newer one; False when that is not smaller by
-    the codec's margin (it stays whole)."""
-    n = objects.record(p.key).raw_size
+def _recode_one(objects, session, p: Pair, n: int) -> bool:
+    """Encode one older chunk (of `n` raw bytes) as a delta of its newer one; False when that is
+    not smaller by the codec's margin (it stays whole)."""
     try:
         raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
         base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
