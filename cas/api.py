@@ -35,6 +35,7 @@ class Store(CheckpointStore):
         super().__init__(path, **options)
         self.retention = retention
         self._retention_paused = 0
+        self._compact_later: set[bytes] = set()  # packs a recode's compaction had to leave (after_recode)
         self.mirror: Mirror | None = None
         if mirror is not None:
             try:
@@ -171,8 +172,11 @@ class Store(CheckpointStore):
         entries in are compacted as gc would (gc's rules: a large pack once under half live)."""
         if self.readonly or not self.location.local:
             return
+        # a pack a save in progress held entries of is left for the next recode to try again
+        packs = set(packs) | self._compact_later
+        self._compact_later = set()
         try:
-            compact_packs(self, GcReport(), only=packs)
+            self._compact_later = compact_packs(self, GcReport(), only=packs)
         except Exception as exc:  # noqa: BLE001 - nothing is lost: the next gc compacts them
             warnings.warn(f"cas: compacting the packs a recode left dead entries in failed ({type(exc).__name__}: "
                           f"{exc}); the next gc does it", RuntimeWarning, stacklevel=2)

@@ -292,7 +292,7 @@ def _delete(store, txn, key: bytes, report: GcReport) -> int:
     return rec.stored_size if rec is not None and size else size
 
 
-def compact_packs(store, report: GcReport, only=None) -> None:
+def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
     """Remove packs no record points to, then rewrite packs that hold dead entries so that only
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
     it may be that writer's own pack, not yet committed. Rewrites are planned against the free
@@ -301,10 +301,12 @@ def compact_packs(store, report: GcReport, only=None) -> None:
     A large pack (a save's streamed chunks, past PACK_TARGET) is rewritten only once its live
     entries hold under REWRITE_BELOW of its bytes, as in a bucket: rewriting 200 MiB to free a
     few would cost more than the space is worth, and its dead entries go when it is emptier.
-    `only`: these packs alone (those a recode left dead entries in), where they still exist."""
+    `only`: these packs alone (those a recode left dead entries in), where they still exist.
+    Returns the packs left alone for a writer in progress (or a gc to wait for), to try again."""
     packs, index = store.objects.packs, store.index
     index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
+    busy: set[bytes] = set()
     for pack in list(packs.iterate()) if only is None else [p for p in only if packs.size(p) is not None]:
         try:
             entries = packs.keys(pack)  # its footer: one read of its tail
@@ -312,6 +314,7 @@ def compact_packs(store, report: GcReport, only=None) -> None:
             continue  # a damaged pack (or one another gc removed) is verify's business, never gc's
         with index.write() as txn:
             if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
+                busy.add(pack)
                 continue
             recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
             live = list(recs)
@@ -331,11 +334,12 @@ def compact_packs(store, report: GcReport, only=None) -> None:
         if not fitting:
             report.deferred = (f"{len(plans)} pack rewrite(s) need more free space than the "
                                f"{free} bytes left; a later gc retries them")
-            return
+            return busy
         pack = max(fitting, key=lambda p: plans[p][1])
         del plans[pack]
         faults.point("gc.repack")
         _rewrite_pack(store, pack, rewrite[pack], report)
+    return busy
 
 
 def _repack_sizes(store, pack: bytes, live: list[bytes]) -> tuple[int, int]:

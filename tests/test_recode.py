@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_delta import FLOATS, chains, next_state
 from test_gc import assert_exactly_reachable
-from workers import drifting
+from workers import drifting, tensor
 
 import cas
+from cas import faults
 from cas.errors import CasError
 from cas.store.tensors import TORCH_DTYPES
 
@@ -229,6 +231,46 @@ def test_an_encrypted_store_recodes_too(tmp_path):
     with cas.open(tmp_path / "s", key=key) as store:
         for step in range(3):
             assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+
+
+def _wait_for(path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def test_a_pack_a_save_held_while_its_recode_compacted_is_compacted_by_the_next_recode(tmp_path):
+    """A recode's compaction leaves alone a pack whose entries a save in progress holds; the next
+    recode compacts it, so its space still comes back without a gc."""
+    def state(step: int) -> dict:
+        return {**drifting(step), "c": tensor(7)}  # "c" never changes: every save holds its chunk
+
+    recode_gate, save_gate = str(tmp_path / "recode"), str(tmp_path / "save")
+    faults.configure(f"recode.encoded=pause:{recode_gate}@1,save.chunks_written=pause:{save_gate}@3")
+    try:
+        with cas.open(tmp_path / "d", chunk_size=64 << 10) as store:
+            store.save(state(0), step=0)
+            store.save(state(1), step=1)
+            _wait_for(recode_gate + ".reached")  # step 0's recode has encoded, not committed
+            third = threading.Thread(target=store.save, args=(state(2),), kwargs={"step": 2})
+            third.start()
+            _wait_for(save_gate + ".reached")  # step 2's save holds its chunks, "c"'s among them
+            c_key = next(t["chunks"][0] for t in store.tensors(1) if t["path"] == "c")
+            first_pack = records(store)[c_key].pack
+            open(recode_gate, "w").close()
+            store.wait_recoding()  # its compaction had to leave step 0's pack, dead entries and all
+            assert store.objects.packs.size(first_pack) is not None
+            open(save_gate, "w").close()
+            third.join()
+            store.wait()
+            assert store.objects.packs.size(first_pack) is None  # rewritten without its dead entries
+            assert records(store)[c_key].pack != first_pack
+            for step in range(3):
+                assert torch.equal(store.load(step)["w"], state(step)["w"])
+            assert store.verify().ok
+    finally:
+        faults.configure("")
 
 
 def test_the_space_of_the_full_copies_a_recode_supersedes_comes_back_without_a_gc(tmp_path):
