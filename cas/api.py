@@ -175,11 +175,26 @@ class Store(CheckpointStore):
         # a pack a save in progress held entries of is left for the next recode to try again
         packs = set(packs) | self._compact_later
         self._compact_later = set()
+        if not packs:
+            return
         try:
             self._compact_later = compact_packs(self, GcReport(), only=packs)
         except Exception as exc:  # noqa: BLE001 - nothing is lost: the next gc compacts them
             warnings.warn(f"cas: compacting the packs a recode left dead entries in failed ({type(exc).__name__}: "
                           f"{exc}); the next gc does it", RuntimeWarning, stacklevel=2)
+
+    def _sweep_after_recodes(self) -> None:
+        """The retention gc of a save had to leave garbage (objects, or packs to compact) that
+        a writer held, most likely the recode then running (it holds the chunks of the checkpoint
+        it recodes, which that gc may have just removed, and compacts packs): sweep once more
+        after the recodes queued now, not at the next save."""
+        if self._retention_paused or self._closed:
+            return
+        try:
+            collect(self, self.retention, sweep_objects=True)
+        except Exception as exc:  # noqa: BLE001 - nothing is lost: the next save's gc sweeps them
+            warnings.warn(f"cas: the sweep after a recode failed ({type(exc).__name__}: {exc}); the next save's "
+                          f"gc sweeps what it left", RuntimeWarning, stacklevel=2)
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
@@ -191,7 +206,9 @@ class Store(CheckpointStore):
         if self.retention is None or self._retention_paused:
             return
         try:
-            collect(self, self.retention, sweep_objects=self.location.local)
+            report = collect(self, self.retention, sweep_objects=self.location.local)
+            if (report.objects_held or report.packs_held) and self.location.local:
+                self.after_recodes(self._sweep_after_recodes)
         except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
             warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
                           f"({type(exc).__name__}: {exc}); the next save's gc tries again",

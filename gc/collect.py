@@ -50,6 +50,8 @@ class GcReport:
     packs_removed: int = 0
     packs_rewritten: int = 0
     deferred: str | None = None  # why the sweep deleted nothing this time, if it had to wait
+    objects_held: int = 0  # unreachable objects a writer in progress held (a later gc sweeps them)
+    packs_held: int = 0  # packs left uncompacted for a writer in progress (a later gc compacts them)
     held_for_mirror: list[int] = field(default_factory=list)  # kept only because not yet mirrored
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
@@ -62,6 +64,7 @@ class GcReport:
                 "reclaimed_bytes": self.reclaimed_bytes, "packs_removed": self.packs_removed,
                 "packs_rewritten": self.packs_rewritten,
                 "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
+                "objects_held": self.objects_held, "packs_held": self.packs_held,
                 "held_for_mirror": self.held_for_mirror,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
@@ -202,6 +205,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
 
     t0 = time.perf_counter()
     candidates = [k for k in records if k not in marker.live and k not in held]
+    report.objects_held = sum(1 for k in records if k not in marker.live and k in held)
     orphans = [k for k in on_disk - records.keys() if k not in marker.live and k not in held]
     if dry_run:
         report.freed_bytes = sum(records[k].stored_size for k in candidates) + sum(files.has(k) or 0 for k in orphans)
@@ -229,7 +233,10 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                     break
                 held = _held_with_bases(index, txn)
                 for key in batch:
-                    if key in marker.live or key in held:
+                    if key in marker.live:
+                        continue
+                    if key in held:
+                        report.objects_held += 1
                         continue
                     report.freed_bytes += _delete(store, txn, key, report)
                     report.objects_swept += 1
@@ -247,7 +254,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
             progress("sweep", done, len(todo))
     if report.deferred is None:
         _remove_superseded_files(store, report, on_disk & records.keys())
-        compact_packs(store, report)
+        report.packs_held = len(compact_packs(store, report))
     files.sync()
     with index.read() as txn:
         waiting = _why_wait(store, txn)

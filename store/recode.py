@@ -130,6 +130,19 @@ class Recoder:
             self._pending.append(future)
         return future
 
+    def then(self, task) -> concurrent.futures.Future:
+        """Run `task()` on the recode thread once every recode queued now has ended."""
+        def run() -> None:
+            try:
+                task()
+            except Exception as exc:  # noqa: BLE001 - the task's own business; never the recodes'
+                warnings.warn(f"cas: a task after the recodes failed ({type(exc).__name__}: {exc})",
+                              RuntimeWarning, stacklevel=1)
+        future = self._jobs.submit(run)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
     def wait(self) -> None:
         with self._lock:
             pending = list(self._pending)

@@ -282,6 +282,11 @@ class CheckpointStore:
         deltas of the newer ones (store/recode.py); failures there only warn (nothing is lost)."""
         self._recoder.wait()
 
+    def after_recodes(self, task: Callable[[], None]) -> None:
+        """Run `task()` on the recode thread once the recodes queued now have ended (wait()
+        waits for it too)."""
+        self._recoder.then(task)
+
     def _raise_unobserved(self) -> None:
         self._check_open()
         self._background.raise_unobserved()
