@@ -137,7 +137,15 @@ class StoreKeys:
         return check_of(self.master)
 
     def blob_aead(self, salt: bytes):
-        return _aead(blake3.blake3(b"cas blob key\0" + salt, key=self._blob).digest())
+        """The cipher of a blob's salt; kept (a bounded few), since every entry read from one
+        pack uses the same and deriving it costs more than opening a small object."""
+        aeads = self.__dict__.setdefault("_aeads", {})
+        aead = aeads.get(salt)
+        if aead is None:
+            if len(aeads) >= 256:
+                aeads.clear()
+            aead = aeads[salt] = _aead(blake3.blake3(b"cas blob key\0" + salt, key=self._blob).digest())
+        return aead
 
     def seal(self, data: bytes, aad: bytes) -> bytes:
         """A small value sealed for the LMDB cache: 12-byte random nonce | ciphertext | tag."""
@@ -396,27 +404,41 @@ class EncryptedBackend:
         self._salts[name] = salt
         return salt
 
-    def _open_segments(self, name: str, salt: bytes, body, first: int, out, *, whole: bool) -> int:
-        """Decrypt the segments in `body` (segment `first` onwards) into `out`; bytes written.
-        With `whole`, body runs to the blob's end, whose last segment must say it is the last."""
+    def _open_segments(self, name: str, salt: bytes, body, first: int, out, *, whole: bool,
+                       skip: int = 0) -> int:
+        """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
+        from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
+        Segments inside the range decrypt straight into `out`; the edge ones go through a
+        scratch buffer. With `whole`, body runs to the blob's end, whose last segment must say
+        it is the last."""
         aead, aad, invalid = self.keys.blob_aead(salt), _aad(name), _invalid_tag()
-        body = memoryview(body)
-        pos, written, i = 0, 0, first
+        body, end = memoryview(body), skip + len(out)
+        pos, plain, i, scratch = 0, 0, first, None
         while pos < len(body) or (whole and pos == 0):
             ct = body[pos:pos + SEGMENT + TAG]
             if len(ct) < TAG:
                 raise self._damaged(name, f"segment {i} is cut short")
             n = len(ct) - TAG
             short = n < SEGMENT or (whole and pos + len(ct) == len(body))
+            inside = skip <= plain and plain + n <= end
+            if inside:
+                dest = out[plain - skip:plain - skip + n]
+            else:
+                scratch = scratch if scratch is not None else memoryview(bytearray(SEGMENT))
+                dest = scratch[:n]
             try:
-                aead.decrypt_into(_nonce(i, short), ct, aad, out[written:written + n])
+                aead.decrypt_into(_nonce(i, short), ct, aad, dest)
             except invalid:
-                if short or not self._try_last(aead, aad, ct, i, out[written:written + n]):
+                if short or not self._try_last(aead, aad, ct, i, dest):
                     raise self._damaged(name, f"segment {i}") from None
                 if whole or pos + len(ct) < len(body):
                     raise self._damaged(name, f"segment {i} is marked last but more follows") from None
-            pos, written, i = pos + len(ct), written + n, i + 1
-        return written
+            if not inside:
+                lo, hi = max(skip, plain), min(end, plain + n)
+                if lo < hi:
+                    out[lo - skip:hi - skip] = dest[lo - plain:hi - plain]
+            pos, plain, i = pos + len(ct), plain + n, i + 1
+        return plain
 
     @staticmethod
     def _try_last(aead, aad, ct, i, out) -> bool:
@@ -459,17 +481,14 @@ class EncryptedBackend:
             if size is None:
                 raise BlobAbsentError(f"{name} is missing from {self.inner.where(name)}")
             length = max(size - start, 0)
-        data = self._ranged(name, start, length)
-        if buffer is None:
-            return data
-        out = buffer(max(len(data), 1))[:len(data)]
-        out[:] = data
-        return out
+        return self._ranged(name, start, length, buffer)
 
-    def _ranged(self, name: str, start: int, length: int) -> bytes:
+    def _ranged(self, name: str, start: int, length: int, buffer: Buffer | None = None):
+        """Plain bytes [start, start + length) of a blob: its covering segments decrypted
+        straight into the caller's `buffer` when one is given (only the edge segments copied)."""
         if length <= 0:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
-            return b""
+            return b"" if buffer is None else buffer(1)[:0]
         first, last = start // SEGMENT, (start + length - 1) // SEGMENT
         cstart = HEADER + first * (SEGMENT + TAG)
         clen = (last - first + 1) * (SEGMENT + TAG)
@@ -488,16 +507,18 @@ class EncryptedBackend:
                     if salt is None:
                         salt = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
-                out = pooled(len(body))
+                skip = start - first * SEGMENT
+                into = (memoryview(bytearray(length)) if buffer is None
+                        else buffer(max(length, 1))[:length])
                 try:
-                    n = self._open_segments(name, salt, body, first, out[:len(body)], whole=False)
+                    n = self._open_segments(name, salt, body, first, into, whole=False, skip=skip)
                 except CorruptionError:
                     if attempt == 0 and name in self._salts:  # the blob was replaced (a healed pack): read afresh
                         self._salts.pop(name, None)
                         continue
                     raise
-                skip = start - first * SEGMENT
-                return bytes(out[skip:min(n, skip + length)])
+                into = into[:max(0, min(length, n - skip))]
+                return bytes(into) if buffer is None else into
             finally:
                 for one in held:
                     _POOL.give(one)

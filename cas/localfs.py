@@ -16,6 +16,7 @@ the same way.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import re
 import threading
@@ -27,6 +28,11 @@ from .fsutil import (OWNER_PREFIX, fsync_dir, fsync_file, host_tag, lock_held, n
                      pid_alive, publish, pwrite_parts, read_head, start_writeback, tmp_owner, unlink_quietly, write_tmp)
 
 TMP_FOLDER = "tmp"
+# Reads into a caller's buffer of at least this many bytes map the file instead: the decoder (or
+# the cipher) then reads the page cache itself, which saves the copy a pread makes (on this VM
+# that copy runs at ~4 GB/s, a fifth of a load's CPU).
+MAP_FROM = 1 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 # fsutil.tmp_name's tail after `.<stem>`: host, pid, thread, owner token and random digits
 _TMP_TAIL = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")
 
@@ -115,6 +121,8 @@ class LocalBackend:
                 raise MissingObjectError(f"{name} is {size} bytes, more than the {MAX_BLOB} a blob can be")
             if buffer is None:
                 return os.pread(fd, nbytes, start) if nbytes else b""
+            if nbytes >= MAP_FROM:
+                return _mapped(fd, start, nbytes)
             return _pread_into(fd, buffer(max(nbytes, 1)), nbytes, start)
         except OSError as exc:
             raise MissingObjectError(f"{name} in the store at {self.root} cannot be read: {exc}") from None
@@ -323,6 +331,16 @@ def _walk(directory: str, folder: str, start: str) -> Iterator[str]:
             yield from _walk(entry.path, name, "")
         else:
             yield name
+
+
+def _mapped(fd: int, start: int, nbytes: int) -> memoryview:
+    """A read-only view of `nbytes` at `start` of the file, mapped and populated at once. The
+    mapping lives as long as views of it do (published blobs are never rewritten in place: a
+    replacement is a new file renamed over, a removal leaves the open inode readable)."""
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, nbytes + start - aligned, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                       offset=aligned)
+    return memoryview(mapped)[start - aligned:start - aligned + nbytes]
 
 
 def _pread_into(fd: int, buf: memoryview, nbytes: int, offset: int) -> memoryview:

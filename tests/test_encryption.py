@@ -17,6 +17,7 @@ from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fix
 
 import cas
 from cas import crypt
+from cas.localfs import MAP_FROM
 from cas.errors import (CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, NotEncryptedError,
                         WrongKeyError)
 
@@ -282,7 +283,8 @@ def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
         store.load(1)
 
 
-@pytest.mark.parametrize("size", [0, 1, crypt.SEGMENT - 1, crypt.SEGMENT, crypt.SEGMENT + 1, 3 * crypt.SEGMENT + 7])
+@pytest.mark.parametrize("size", [0, 1, crypt.SEGMENT - 1, crypt.SEGMENT, crypt.SEGMENT + 1, 3 * crypt.SEGMENT + 7,
+                                  2 * MAP_FROM + 12345])  # the last one read through a mapping
 def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
     from cas.localfs import LocalBackend
 
@@ -294,8 +296,13 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
     assert backend.put_if_absent("log/x", parts)
     assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == crypt.sealed_size(size)
     assert backend.get("log/x") == data
-    for start, length in [(0, 10), (size // 2, 100), (crypt.SEGMENT - 3, 10), (max(size - 5, 0), 50)]:
+    seg = crypt.SEGMENT
+    for start, length in [(0, 10), (size // 2, 100), (seg - 3, 10), (max(size - 5, 0), 50), (seg - 3, 2 * seg + 10),
+                          (seg, seg), (5, size), (seg + 1, MAP_FROM + 3)]:
         assert backend.get("log/x", start, length) == data[start:start + length]
+        scratch = bytearray(length + 1)  # into a caller's buffer: whole segments decrypt straight into it
+        assert bytes(backend.get("log/x", start, length, buffer=lambda n: memoryview(scratch))) == \
+            data[start:start + length]
     buf = bytearray(size + 10)
     assert bytes(backend.get("log/x", buffer=lambda n: memoryview(buf))) == data
     staged = backend.stage("objects/ab/" + "ab" * 32, [data])
