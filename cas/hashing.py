@@ -47,6 +47,13 @@ class Namer:
             return blake3.blake3(data).digest()
         return blake3.blake3(data, key=self._key).digest()
 
+    def key_of_parts(self, parts) -> bytes:
+        """key() of the parts' concatenation, without making it."""
+        h = blake3.blake3() if self._key is None else blake3.blake3(key=self._key)
+        for part in parts:
+            h.update(part)
+        return h.digest()
+
     def __repr__(self) -> str:
         return "Namer(keyed)" if self._key is not None else "Namer(plain)"
 

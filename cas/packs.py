@@ -79,12 +79,13 @@ class PackFiles(Fanout):
             offset += len(blob)
         footer = msgpack.packb(listed, use_bin_type=True)
         parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
-        data = b"".join(parts)
-        pack = namer_of(self.backend).key(data)  # keyed in an encrypted store: a name reveals nothing
+        # named and written from the parts: no copy of the whole pack (the backend, or the
+        # cipher of an encrypted one, gathers them as it writes)
+        pack = namer_of(self.backend).key_of_parts(parts)  # keyed in an encrypted store: a name reveals nothing
         if not self.backend.capabilities.batched_sync:  # an object store: durable once it answers
-            self.backend.put_if_absent(self.name(pack), [data])
+            self.backend.put_if_absent(self.name(pack), parts)
             return pack, placed
-        staged = self.backend.stage(self.name(pack), [data], fsync=True)
+        staged = self.backend.stage(self.name(pack), parts, fsync=True)
         try:
             if not self.backend.publish(staged):
                 self.backend.replace(staged)
