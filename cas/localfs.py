@@ -33,6 +33,7 @@ TMP_FOLDER = "tmp"
 # that copy runs at ~4 GB/s, a fifth of a load's CPU).
 MAP_FROM = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")  # POSIX mmap signature
 # fsutil.tmp_name's tail after `.<stem>`: host, pid, thread, owner token and random digits
 _TMP_TAIL = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9]+\.[0-9a-f]+\.tmp")
 
@@ -121,8 +122,11 @@ class LocalBackend:
                 raise MissingObjectError(f"{name} is {size} bytes, more than the {MAX_BLOB} a blob can be")
             if buffer is None:
                 return os.pread(fd, nbytes, start) if nbytes else b""
-            if nbytes >= MAP_FROM:
-                return _mapped(fd, start, nbytes)
+            if nbytes >= MAP_FROM and _CAN_MAP:
+                try:
+                    return _mapped(fd, start, nbytes)
+                except (OSError, ValueError):  # a filesystem that cannot map (some FUSE ones): read it
+                    pass
             return _pread_into(fd, buffer(max(nbytes, 1)), nbytes, start)
         except OSError as exc:
             raise MissingObjectError(f"{name} in the store at {self.root} cannot be read: {exc}") from None
