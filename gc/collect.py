@@ -320,11 +320,13 @@ def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
         except (CorruptionError, OSError):
             continue  # a damaged pack (or one another gc removed) is verify's business, never gc's
         with index.write() as txn:
+            recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
+            live = list(recs)
+            if live and len(live) == len(entries):
+                continue  # nothing dead in it: nothing to do, held or not
             if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 busy.add(pack)
                 continue
-            recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
-            live = list(recs)
             size = packs.size(pack) or 0
             if not live:
                 report.reclaimed_bytes += size
