@@ -22,6 +22,7 @@ from workers import drifting, tensor
 
 import cas
 from cas import faults
+from cas.gc import Retention
 from cas.errors import CasError
 from cas.store.tensors import TORCH_DTYPES
 
@@ -269,6 +270,27 @@ def test_a_pack_a_save_held_while_its_recode_compacted_is_compacted_by_the_next_
             for step in range(3):
                 assert torch.equal(store.load(step)["w"], state(step)["w"])
             assert store.verify().ok
+    finally:
+        faults.configure("")
+
+
+def test_chunks_a_recode_held_while_retention_removed_their_checkpoint_are_swept_when_it_ends(tmp_path):
+    """Retention after a save removes a checkpoint whose chunks the recode then running holds;
+    the sweep it had to skip runs once that recode has ended, without another save."""
+    gate = str(tmp_path / "recode")
+    faults.configure(f"recode.encoded=pause:{gate}@1")
+    try:
+        with cas.open(tmp_path / "d", chunk_size=64 << 10, retention=Retention(keep_last=2)) as store:
+            store.save(drifting(0), step=0)
+            store.save(drifting(1), step=1)
+            _wait_for(gate + ".reached")  # step 0's recode holds step 0's chunks
+            store.save(drifting(2), step=2)  # its retention removes step 0 and must leave them
+            assert [ck.step for ck in store.checkpoints()] == [1, 2]
+            open(gate, "w").close()
+            store.wait()
+            assert_exactly_reachable(store)
+            for step in (1, 2):
+                assert torch.equal(store.load(step)["w"], drifting(step)["w"])
     finally:
         faults.configure("")
 
