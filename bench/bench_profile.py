@@ -22,6 +22,7 @@ is in the first figure only); nested stages are shown under their parent.
     .venv/bin/python bench/bench_profile.py --mib 1024 --reps 3
     .venv/bin/python bench/bench_profile.py --json out.json
     .venv/bin/python bench/bench_profile.py --codec          # per 4 MiB chunk: the codec's parts, one thread
+    .venv/bin/python bench/bench_profile.py --no-huge-pages  # loads without the huge-page hint, to compare
 """
 
 from __future__ import annotations
@@ -333,8 +334,13 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before each load")
     ap.add_argument("--codec", action="store_true", help="only the per-chunk codec figures")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="load into tensors without the huge-page hint (store/pages.py), to compare")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.no_huge_pages:
+        import cas.store.pages as pages
+        pages._madvise = None
     result: dict = {"args": vars(args), "cas": os.path.dirname(cas.__file__)}
     if args.codec:
         result["codec"] = codec_parts()
