@@ -128,6 +128,7 @@ class StoreKeys:
         object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
         object.__setattr__(self, "_index", _aead(_hkdf(self.master, b"cas index v1")))
         object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
+        object.__setattr__(self, "_aeads", {})  # salt -> its cipher (blob_aead)
 
     def __repr__(self) -> str:
         return f"StoreKeys(key_id={self.key_id!r})"
@@ -139,7 +140,7 @@ class StoreKeys:
     def blob_aead(self, salt: bytes):
         """The cipher of a blob's salt; kept (a bounded few), since every entry read from one
         pack uses the same and deriving it costs more than opening a small object."""
-        aeads = self.__dict__.setdefault("_aeads", {})
+        aeads = self._aeads
         aead = aeads.get(salt)
         if aead is None:
             if len(aeads) >= 256:

@@ -125,20 +125,12 @@ class Recoder:
             finally:
                 if released is not None:
                     released(previous)
-        future = self._jobs.submit(run)
-        with self._lock:
-            self._pending.append(future)
-        return future
+        return self.then(run)
 
     def then(self, task) -> concurrent.futures.Future:
-        """Run `task()` on the recode thread once every recode queued now has ended."""
-        def run() -> None:
-            try:
-                task()
-            except Exception as exc:  # noqa: BLE001 - the task's own business; never the recodes'
-                warnings.warn(f"cas: a task after the recodes failed ({type(exc).__name__}: {exc})",
-                              RuntimeWarning, stacklevel=1)
-        future = self._jobs.submit(run)
+        """Run `task()` on the recode thread once every job queued now has ended (the task
+        reports its own failures: wait() does not raise them)."""
+        future = self._jobs.submit(task)
         with self._lock:
             self._pending.append(future)
         return future
