@@ -1,310 +1,42 @@
-"""Encryption at rest: a store's keys, and the backend wrapper that encrypts every blob.
-
-Keys (restic's model): a store has one random 32-byte **master key**. Each user key (a
-passphrase, or 32 raw bytes) wraps it in a blob `keys/<id>` of its own: a passphrase goes through
-scrypt (its parameters and salt in that blob), a raw key is used as it is; the master key is
-sealed with AES-256-GCM under the result, so the AEAD tag proves the key, and the config's
-`check` (derived from the master key) proves the master key is this store's. Keys are added
-and removed by writing or deleting one such blob: no data is rewritten.
-
-Subkeys come from the master key through HKDF-SHA256: one for the blobs' AEAD, one for object
-names (keyed blake3, cas.hashing.Namer), one for the LMDB cache's sealed records, one for the check.
+"""Encryption at rest: the backend wrapper that seals every blob (the keys: cas/keys.py).
 
 Blobs (`EncryptedBackend`, the cas/backend.py contract around any backend): every blob but the
 config, `keys/` and `leases/` (which hold no user data) is written as
-    b"casenc1\\n" | salt (16 random bytes) | segment 0 | segment 1 | ...
+    magic (8 bytes) | salt (16 random bytes) | segment 0 | segment 1 | ...
 each segment 64 KiB of plaintext (the last one shorter, possibly empty) sealed with AES-256-GCM
 (16-byte tag) under the blob key blake3(key=aead subkey, b"cas blob key\\0" + salt), nonce =
-segment number (11 bytes, big-endian) | 1 for the last segment else 0, associated data = the
-blob's name: a blob moved to another name, a segment moved, reordered, dropped or cut off fails
-its check. A ranged read decrypts only the segments it covers; sizes (stat, list_sizes, peek)
-are the plaintext's, computed from the ciphertext's. cryptography's AEADs release the GIL, so
-the save and load pools encrypt and decrypt in parallel.
+segment number (11 bytes, big-endian) | 1 for the last segment else 0. The associated data
+binds each blob to where it belongs: with magic b"casenc1\\n" the blob's whole name (a blob
+moved to another name fails its check); with b"casenc2\\n", a *streamed* blob (a pack written
+at offsets while a save encodes, named by its footer only once complete), its folder (packs/):
+it cannot pass for a blob of another kind, and every entry read from it is checked against its
+own key, so a pack moved to another pack's name fails on its first read. Either way a segment
+moved, reordered, dropped or cut off fails its check. A ranged read decrypts only the segments
+it covers; sizes (stat, list_sizes, peek) are the plaintext's, computed from the ciphertext's.
+cryptography's AEADs release the GIL, so the save and load pools encrypt and decrypt in parallel.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
-import secrets
 import threading
-import time
-from dataclasses import dataclass
+from itertools import accumulate
 from typing import Iterable
 
-import blake3
-import msgpack
-
-from . import faults
 from .backend import Buffer, Staged
-from .errors import (BlobAbsentError, CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError,
-                     WrongKeyError)
-from .hashing import KEY_SIZE, Namer
+from .errors import BlobAbsentError, CorruptionError
+from .hashing import Namer
+from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, SCRYPT_ENV, SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R,  # noqa: F401
+                   ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
+                   key_ids, new_key_id, read_key_file, remove_key, unlock, user_key)
 
-SEGMENT = 64 << 10
 TAG = 16
-BLOB_MAGIC = b"casenc1\n"
+BLOB_MAGIC = b"casenc1\n"  # bound to its name
+STREAM_MAGIC = b"casenc2\n"  # streamed: bound to its folder (module docstring)
 SALT = 16
 HEADER = len(BLOB_MAGIC) + SALT
-KEYS_PREFIX = "keys/"
-KEY_MAGIC = b"cas-key\n"
-AEAD_NAME = "aes-256-gcm"
-NAMING = "blake3-keyed"
-# scrypt: 2^17 x 8 x 128 bytes = 128 MiB and about 0.4 s per key tried (restic-like strength).
-# $CAS_SCRYPT_LOG_N lowers it for tests only (at least 10); a key blob records what it used.
-SCRYPT_LOG_N, SCRYPT_R, SCRYPT_P = 17, 8, 1
-SCRYPT_ENV = "CAS_SCRYPT_LOG_N"
 _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the header with it
-
-
-def _aead(key: bytes):
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # the crypto extra
-
-    return AESGCM(key)
-
-
-def _invalid_tag():
-    from cryptography.exceptions import InvalidTag
-
-    return InvalidTag
-
-
-def _hkdf(master: bytes, info: bytes) -> bytes:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(master)
-
-
-def user_key(key) -> tuple[str, bytes]:
-    """("passphrase" | "raw", bytes) of a key= value: a str passphrase or 32 raw bytes."""
-    if isinstance(key, str):
-        if not key:
-            raise CasError("an empty passphrase is not a key")
-        return "passphrase", key.encode("utf-8")
-    if isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-        if len(raw) != KEY_SIZE:
-            raise CasError(f"a raw key is {KEY_SIZE} bytes, got {len(raw)} (give a passphrase as a str)")
-        return "raw", raw
-    raise CasError(f"key must be a passphrase (str) or {KEY_SIZE} raw bytes, got {type(key).__name__}")
-
-
-def read_key_file(path: str) -> str | bytes:
-    """The key a file holds: exactly 32 bytes that are not one line of text are a raw key;
-    anything else is a passphrase (UTF-8, one trailing newline stripped)."""
-    try:
-        with open(os.path.expanduser(path), "rb") as f:
-            data = f.read(1 << 16)
-    except OSError as exc:
-        raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
-    if len(data) == KEY_SIZE:
-        try:
-            text = data.decode("utf-8")
-            if text.isprintable():
-                return text
-        except UnicodeDecodeError:
-            pass
-        return data
-    if data.endswith(b"\r\n"):
-        data = data[:-2]
-    elif data.endswith(b"\n"):
-        data = data[:-1]
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CasError(f"the key file {path} is neither {KEY_SIZE} raw bytes nor a UTF-8 passphrase") from None
-
-
-@dataclass(frozen=True, repr=False)
-class StoreKeys:
-    """The subkeys of one open store's master key, and the user key that unlocked it (never
-    in a repr: stores, locations and tracebacks get printed)."""
-
-    master: bytes
-    key_id: str  # the keys/ blob that opened the store
-    user: tuple[str, bytes]  # ("passphrase" | "raw", bytes): to create copies (push) openable alike
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
-        object.__setattr__(self, "_index", _aead(_hkdf(self.master, b"cas index v1")))
-        object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
-        object.__setattr__(self, "_aeads", {})  # salt -> its cipher (blob_aead)
-
-    def __repr__(self) -> str:
-        return f"StoreKeys(key_id={self.key_id!r})"
-
-    @property
-    def check(self) -> bytes:
-        return check_of(self.master)
-
-    def blob_aead(self, salt: bytes):
-        """The cipher of a blob's salt; kept (a bounded few), since every entry read from one
-        pack uses the same and deriving it costs more than opening a small object."""
-        aeads = self._aeads
-        aead = aeads.get(salt)
-        if aead is None:
-            if len(aeads) >= 256:
-                aeads.clear()
-            aead = aeads[salt] = _aead(blake3.blake3(b"cas blob key\0" + salt, key=self._blob).digest())
-        return aead
-
-    def seal(self, data: bytes, aad: bytes) -> bytes:
-        """A small value sealed for the LMDB cache: 12-byte random nonce | ciphertext | tag."""
-        nonce = os.urandom(12)
-        return nonce + self._index.encrypt(nonce, data, b"cas-index-1\0" + aad)
-
-    def unseal(self, data, aad: bytes, what: str) -> bytes:
-        data = bytes(data)
-        try:
-            return self._index.decrypt(data[:12], data[12:], b"cas-index-1\0" + aad)
-        except (_invalid_tag(), ValueError):
-            raise CorruptionError(f"{what} fails its authentication check (damaged, or sealed by another key)") from None
-
-
-def check_of(master: bytes) -> bytes:
-    return _hkdf(master, b"cas key check v1")[:16]
-
-
-# --- keys/ blobs ----------------------------------------------------------------------------
-def _scrypt_log_n() -> int:
-    text = os.environ.get(SCRYPT_ENV)
-    if not text:
-        return SCRYPT_LOG_N
-    try:
-        value = int(text)
-    except ValueError:
-        raise CasError(f"${SCRYPT_ENV} must be an integer from 10 to 22, got {text!r}") from None
-    if not 10 <= value <= 22:
-        raise CasError(f"${SCRYPT_ENV} must be an integer from 10 to 22, got {value}")
-    return value
-
-
-def _kek(kind: str, secret: bytes, body: dict) -> bytes:
-    if body["kdf"] == "raw":
-        return secret if kind == "raw" else b""
-    if body["kdf"] != "scrypt":
-        raise CasError(f"a key of this store uses the KDF {body['kdf']!r}, which this cas does not know")
-    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
-
-    return Scrypt(salt=bytes(body["salt"]), length=32, n=int(body["n"]), r=int(body["r"]),
-                  p=int(body["p"])).derive(secret)
-
-
-def _key_aad(store_id: str, key_id: str) -> bytes:
-    return b"cas-key-1\0" + store_id.encode() + b"\0" + key_id.encode()
-
-
-def key_blob(store_id: str, key_id: str, master: bytes, user: tuple[str, bytes]) -> bytes:
-    """A keys/<key_id> blob wrapping `master` under the user key."""
-    kind, secret = user
-    if kind == "raw":
-        body = {"format": 1, "kdf": "raw"}
-        kek = secret
-    else:
-        log_n = _scrypt_log_n()
-        body = {"format": 1, "kdf": "scrypt", "n": 1 << log_n, "r": SCRYPT_R, "p": SCRYPT_P, "salt": os.urandom(16)}
-        kek = _kek(kind, secret, body)
-    nonce = os.urandom(12)
-    body.update(aead=AEAD_NAME, nonce=nonce, wrapped=_aead(kek).encrypt(nonce, master, _key_aad(store_id, key_id)),
-                created=time.time())
-    return KEY_MAGIC + msgpack.packb(body, use_bin_type=True)
-
-
-def _parse_key(data) -> dict | None:
-    data = bytes(data)
-    if not data.startswith(KEY_MAGIC):
-        return None
-    try:
-        body = msgpack.unpackb(data[len(KEY_MAGIC):], raw=False)
-        return body if isinstance(body, dict) and body.get("format") == 1 and "wrapped" in body else None
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return None
-
-
-def key_ids(backend) -> list[str]:
-    return [name[len(KEYS_PREFIX):] for name in backend.list(KEYS_PREFIX)]
-
-
-def new_key_id() -> str:
-    return secrets.token_hex(8)
-
-
-def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKeys:
-    """The StoreKeys the user key unlocks: KeyRequiredError without one, WrongKeyError when no
-    keys/ blob of the store opens with it (a wrong key, or a removed one)."""
-    if key is None:
-        raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...); for "
-                               "the CLI, a file named by $CAS_KEY_FILE)")
-    user = user_key(key)
-    kind, secret = user
-    check = bytes(encryption["check"])
-    ids = key_ids(backend)
-    if not ids:
-        raise WrongKeyError(f"the encrypted store at {where} has no keys left (keys/ is empty): it cannot be opened")
-    tried_kdf: dict[tuple, bytes] = {}
-    for key_id in ids:
-        try:
-            body = _parse_key(backend.get(KEYS_PREFIX + key_id))
-        except CorruptionError:  # removed meanwhile, unreadable: another key may open it
-            continue
-        if body is None or (body.get("kdf") == "raw") != (kind == "raw"):
-            continue
-        try:
-            params = (body["kdf"], bytes(body.get("salt", b"")), body.get("n"), body.get("r"), body.get("p"))
-            kek = tried_kdf.get(params) or tried_kdf.setdefault(params, _kek(kind, secret, body))
-            master = _aead(kek).decrypt(bytes(body["nonce"]), bytes(body["wrapped"]), _key_aad(store_id, key_id))
-        except (_invalid_tag(), KeyError, TypeError, ValueError):
-            continue
-        if len(master) == KEY_SIZE and secrets.compare_digest(check_of(master), check):
-            return StoreKeys(master, key_id, user)
-    raise WrongKeyError(f"the key given does not open the encrypted store at {where}: it is wrong, or it was "
-                        f"removed (cas key remove); the store has {len(ids)} key(s)")
-
-
-def encryption_fields(master: bytes) -> dict:
-    """What the config records of an encrypted store."""
-    return {"version": 1, "aead": AEAD_NAME, "segment": SEGMENT, "naming": NAMING, "kdf": "scrypt",
-            "check": check_of(master)}
-
-
-def check_fields(encryption, where: str) -> dict:
-    if not isinstance(encryption, dict) or encryption.get("version") != 1:
-        raise CasError(f"the store at {where} is encrypted with a scheme this cas does not know "
-                       f"({encryption!r}); upgrade cas to open it")
-    if (encryption.get("aead"), encryption.get("segment"), encryption.get("naming")) != (AEAD_NAME, SEGMENT, NAMING) \
-            or not isinstance(encryption.get("check"), bytes) or len(encryption["check"]) != 16:
-        raise CasError(f"the store at {where} is encrypted with parameters this cas does not read: {encryption!r}")
-    return encryption
-
-
-def add_key(backend, store_id: str, keys: StoreKeys, new_key) -> str:
-    """Write a keys/ blob wrapping the store's master key under `new_key` (create-only); its id."""
-    user = user_key(new_key)
-    for _ in range(8):
-        key_id = new_key_id()
-        data = key_blob(store_id, key_id, keys.master, user)
-        faults.point("keys.adding")
-        if backend.put_if_absent(KEYS_PREFIX + key_id, [data]):
-            faults.point("keys.added")
-            return key_id
-    raise CasError("could not draw a free key id")  # eight 64-bit collisions: not chance
-
-
-def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
-    """Delete keys/<key_id>; never the last key, nor the one the store was opened with."""
-    ids = key_ids(backend)
-    if key_id not in ids:
-        raise CasError(f"the store at {where} has no key {key_id!r}; its keys: {', '.join(ids)}")
-    if key_id == keys.key_id:
-        raise KeyRemovalRefusedError(f"key {key_id} is the one this store was opened with; open it with another "
-                                     "key to remove this one")
-    if len(ids) <= 1:
-        raise KeyRemovalRefusedError(f"key {key_id} is the last key of the store at {where}; removing it would "
-                                     "make the store unreadable")
-    faults.point("keys.removing")
-    backend.delete(KEYS_PREFIX + key_id)
-    backend.sync()
-    faults.point("keys.removed")
 
 
 # --- the encrypted backend -------------------------------------------------------------------
@@ -333,6 +65,11 @@ def _aad(name: str) -> bytes:
     return b"cas-blob-1\0" + name.encode("utf-8")
 
 
+def _stream_aad(name: str) -> bytes:
+    """A streamed blob's associated data: its folder (its name is not known while it is sealed)."""
+    return b"cas-blob-2\0" + name.partition("/")[0].encode("utf-8")
+
+
 def _key_of(name: str) -> str | None:
     """The object key a blob name carries (objects/ab/<hex>), for errors."""
     tail = name.rpartition("/")[2]
@@ -342,16 +79,16 @@ def _key_of(name: str) -> str | None:
 class EncryptedBackend:
     """A backend whose blobs are sealed (module docstring); everything else is the inner one's."""
 
-    def __init__(self, inner, keys: StoreKeys) -> None:
+    def __init__(self, inner, keys: StoreKeys, *, streams: bool = True) -> None:
         self.inner = inner
         self.keys = keys
         self.namer = keys.namer
         self.capabilities = inner.capabilities
-        self._salts: dict[str, bytes] = {}  # blob name -> salt, for ranged reads (bounded)
-
-    # No streamed packs: their entries would reach the inner backend's file unsealed (packs are
-    # gathered in memory and sealed whole instead; cas/packs.py PackFiles.stream).
-    stream = None
+        self._salts: dict[str, tuple[bytes, bytes]] = {}  # blob name -> (salt, aad), for ranged reads (bounded)
+        # Packs stream, sealed as they are written, where the inner backend streams and the
+        # store's scheme has streamed blobs (version 2); else they are gathered and sealed whole
+        # (cas/packs.py PackFiles.stream asks for this attribute).
+        self.stream = self._open_stream if streams and getattr(inner, "stream", None) is not None else None
 
     def __getattr__(self, attr):  # path(), root, url, ...: the inner backend's
         return getattr(self.inner, attr)
@@ -360,59 +97,51 @@ class EncryptedBackend:
     def seal(self, name: str, parts: Iterable, into: bytearray | None = None) -> memoryview:
         """The sealed bytes of a blob, in `into` (a buffer of the pool, given back by the caller
         once the inner write consumed them) or a new one."""
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        total = sum(len(v) for v in views)
+        pieces = _Pieces(parts)
+        total = pieces.total
         nseg = max(1, -(-total // SEGMENT))
         size = HEADER + total + TAG * nseg
         out = memoryview(into if into is not None and len(into) >= size else bytearray(size))[:size]
         salt = os.urandom(SALT)
         out[:len(BLOB_MAGIC)] = BLOB_MAGIC
         out[len(BLOB_MAGIC):HEADER] = salt
-        aead, aad, dest = self.keys.blob_aead(salt), _aad(name), out
-        vi, voff = 0, 0
+        aead, aad = self.keys.blob_aead(salt), _aad(name)
         for i in range(nseg):
-            n = min(SEGMENT, total - i * SEGMENT)
-            if n == 0:
-                piece = b""
-            elif len(views[vi]) - voff >= n:
-                piece = views[vi][voff:voff + n]
-                voff += n
-            else:  # a segment across parts: gathered
-                gathered, filled = bytearray(n), 0
-                while filled < n:
-                    take = min(n - filled, len(views[vi]) - voff)
-                    gathered[filled:filled + take] = views[vi][voff:voff + take]
-                    filled, voff = filled + take, voff + take
-                    if voff == len(views[vi]):
-                        vi, voff = vi + 1, 0
-                piece = gathered
-            if vi < len(views) and voff == len(views[vi]):
-                vi, voff = vi + 1, 0
+            lo, hi = i * SEGMENT, min(total, (i + 1) * SEGMENT)
             at = HEADER + i * (SEGMENT + TAG)
-            aead.encrypt_into(_nonce(i, i == nseg - 1), piece, aad, dest[at:at + n + TAG])
+            aead.encrypt_into(_nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
+                              out[at:at + hi - lo + TAG])
         return out
+
+    def _open_stream(self, name_hint: str) -> "SealedStream":
+        """A pack sealed as it is streamed (cas/packs.py PackStream): see SealedStream."""
+        salt = os.urandom(SALT)
+        return SealedStream(self.inner.stream(name_hint), self.keys.blob_aead(salt), _stream_aad(name_hint), salt)
 
     def _damaged(self, name: str, why: str) -> CorruptionError:
         return CorruptionError(f"{name} fails its authentication check ({why}: damaged or tampered ciphertext)",
                                key=_key_of(name))
 
-    def _salt(self, name: str, head) -> bytes:
-        if len(head) < HEADER or bytes(head[:len(BLOB_MAGIC)]) != BLOB_MAGIC:
+    def _salt(self, name: str, head) -> tuple[bytes, bytes]:
+        """(salt, associated data) of a blob, from its header."""
+        magic = bytes(head[:len(BLOB_MAGIC)]) if len(head) >= HEADER else b""
+        if magic not in (BLOB_MAGIC, STREAM_MAGIC):
             raise self._damaged(name, "no encrypted blob header")
-        salt = bytes(head[len(BLOB_MAGIC):HEADER])
+        sealing = bytes(head[len(BLOB_MAGIC):HEADER]), _aad(name) if magic == BLOB_MAGIC else _stream_aad(name)
         if len(self._salts) > 4096:
             self._salts.clear()
-        self._salts[name] = salt
-        return salt
+        self._salts[name] = sealing
+        return sealing
 
-    def _open_segments(self, name: str, salt: bytes, body, first: int, out, *, whole: bool,
+    def _open_segments(self, name: str, sealing: tuple[bytes, bytes], body, first: int, out, *, whole: bool,
                        skip: int = 0) -> int:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
         Segments inside the range decrypt straight into `out`; the edge ones go through a
         scratch buffer. With `whole`, body runs to the blob's end, whose last segment must say
         it is the last."""
-        aead, aad, invalid = self.keys.blob_aead(salt), _aad(name), _invalid_tag()
+        (salt, aad), invalid = sealing, invalid_tag()
+        aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
         pos, plain, i, scratch = 0, 0, first, None
         while pos < len(body) or (whole and pos == 0):
@@ -446,7 +175,7 @@ class EncryptedBackend:
         try:
             aead.decrypt_into(_nonce(i, True), ct, aad, out)
             return True
-        except _invalid_tag():
+        except invalid_tag():
             return False
 
     def _sealed_write(self, write, name: str, parts: Iterable):
@@ -469,10 +198,10 @@ class EncryptedBackend:
                 return memoryview(held[-1])
             try:
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
-                salt = self._salt(name, sealed)
+                sealing = self._salt(name, sealed)
                 size = plain_size(len(sealed))
                 out = buffer(max(size, 1))[:size] if buffer is not None else bytearray(size)
-                self._open_segments(name, salt, memoryview(sealed)[HEADER:], 0, memoryview(out), whole=True)
+                self._open_segments(name, sealing, memoryview(sealed)[HEADER:], 0, memoryview(out), whole=True)
             finally:
                 for one in held:
                     _POOL.give(one)
@@ -494,25 +223,25 @@ class EncryptedBackend:
         cstart = HEADER + first * (SEGMENT + TAG)
         clen = (last - first + 1) * (SEGMENT + TAG)
         for attempt in range(2):
-            salt = self._salts.get(name) if attempt == 0 else None
+            sealing = self._salts.get(name) if attempt == 0 else None
             held: list[bytearray] = []
 
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
                 held.append(_POOL.take(nbytes))
                 return memoryview(held[-1])
             try:
-                if salt is None and cstart <= _RANGE_FROM_ZERO:
+                if sealing is None and cstart <= _RANGE_FROM_ZERO:
                     sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
-                    salt, body = self._salt(name, sealed), sealed[cstart:]
+                    sealing, body = self._salt(name, sealed), sealed[cstart:]
                 else:
-                    if salt is None:
-                        salt = self._salt(name, self.inner.get(name, 0, HEADER))
+                    if sealing is None:
+                        sealing = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
                 skip = start - first * SEGMENT
                 into = (memoryview(bytearray(length)) if buffer is None
                         else buffer(max(length, 1))[:length])
                 try:
-                    n = self._open_segments(name, salt, body, first, into, whole=False, skip=skip)
+                    n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip)
                 except CorruptionError:
                     if attempt == 0 and name in self._salts:  # the blob was replaced (a healed pack): read afresh
                         self._salts.pop(name, None)
@@ -540,10 +269,10 @@ class EncryptedBackend:
             return self.inner.peek(staged, nbytes)
         segs = max(1, -(-nbytes // SEGMENT))
         size, head = self.inner.peek(staged, HEADER + segs * (SEGMENT + TAG))
-        salt = self._salt(staged.name, head)
+        sealing = self._salt(staged.name, head)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
-        n = self._open_segments(staged.name, salt, body, 0, memoryview(out), whole=len(head) == size)
+        n = self._open_segments(staged.name, sealing, body, 0, memoryview(out), whole=len(head) == size)
         return plain_size(size), bytes(out[:min(n, nbytes)])
 
     # --- writes ----------------------------------------------------------------------------
@@ -600,6 +329,116 @@ class EncryptedBackend:
         return self.inner.lease_alive(name)
 
 
+class _Pieces:
+    """The parts of a write seen as one run of bytes, any range of which is one buffer: a view
+    where it lies inside one part, else gathered into the scratch buffer given (or a new one)."""
+
+    def __init__(self, parts: Iterable) -> None:
+        self.views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        self.starts = list(accumulate((len(v) for v in self.views), initial=0))
+        self.total = self.starts[-1]
+
+    def span(self, lo: int, hi: int, scratch: bytearray | None = None) -> memoryview | bytes:
+        if hi <= lo:
+            return b""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        off = lo - self.starts[i]
+        if off + hi - lo <= len(self.views[i]):
+            return self.views[i][off:off + hi - lo]
+        out = memoryview(scratch if scratch is not None and len(scratch) >= hi - lo else bytearray(hi - lo))[:hi - lo]
+        filled = 0
+        while filled < hi - lo:
+            take = min(hi - lo - filled, len(self.views[i]) - off)
+            out[filled:filled + take] = self.views[i][off:off + take]
+            filled, i, off = filled + take, i + 1, 0
+        return out
+
+
+class SealedStream:
+    """A blob sealed as it is streamed (a pack written at offsets by a save's workers, named
+    only once complete: cas/packs.py PackStream), with the STREAM_MAGIC header. Writers give
+    plain bytes at plain offsets, from several threads at once; a segment a write covers whole
+    is sealed and written at its place straight away (no copy, unless it spans the write's
+    parts), and one shared with a neighbouring write is gathered until all its bytes are in.
+    The last segment, sealed as the last (possibly empty), is written at close, when the
+    blob's length is known. Plain bytes reach the inner file only sealed."""
+
+    def __init__(self, inner, aead, aad: bytes, salt: bytes) -> None:
+        self._inner, self._aead, self._aad = inner, aead, aad
+        self._lock = threading.Lock()
+        self._partial: dict[int, list] = {}  # segment -> [its plain bytes so far, how many]
+        self._end = 0  # plain bytes: the furthest any write reached
+        self._write(0, STREAM_MAGIC + salt)
+
+    def _write(self, at: int, data) -> None:
+        if self._inner.write_at(at, [data]) != len(data):
+            raise OSError("a sealed segment was written short")
+
+    def _seal(self, i: int, plain, last: bool, out) -> memoryview:
+        n = len(plain)
+        self._aead.encrypt_into(_nonce(i, last), plain, self._aad, out[:n + TAG])
+        return out[:n + TAG]
+
+    def write_at(self, offset: int, parts: list) -> int:
+        pieces = _Pieces(parts)
+        total = pieces.total
+        if not total:
+            return 0
+        end = offset + total
+        whole_lo, whole_hi = -(-offset // SEGMENT), end // SEGMENT  # segments this write covers whole
+        if whole_hi > whole_lo:
+            buf = _POOL.take((whole_hi - whole_lo) * (SEGMENT + TAG))
+            try:
+                out = memoryview(buf)
+                for j, i in enumerate(range(whole_lo, whole_hi)):
+                    plain = pieces.span(i * SEGMENT - offset, (i + 1) * SEGMENT - offset)
+                    self._seal(i, plain, False, out[j * (SEGMENT + TAG):])
+                self._write(HEADER + whole_lo * (SEGMENT + TAG), out[:(whole_hi - whole_lo) * (SEGMENT + TAG)])
+            finally:
+                _POOL.give(buf)
+        for i in sorted({offset // SEGMENT, (end - 1) // SEGMENT} - set(range(whole_lo, whole_hi))):
+            lo, hi = max(offset, i * SEGMENT), min(end, (i + 1) * SEGMENT)
+            self._gather(i, lo - i * SEGMENT, pieces.span(lo - offset, hi - offset))
+        with self._lock:
+            self._end = max(self._end, end)
+        return total
+
+    def _gather(self, i: int, at: int, plain) -> None:
+        with self._lock:
+            slot = self._partial.get(i)
+            if slot is None:
+                slot = self._partial[i] = [bytearray(SEGMENT), 0]
+            slot[0][at:at + len(plain)] = plain
+            slot[1] += len(plain)
+            full = slot[1] == SEGMENT
+            if full:
+                del self._partial[i]
+        if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
+            self._write(HEADER + i * (SEGMENT + TAG), self._seal(i, slot[0], False, memoryview(bytearray(SEGMENT + TAG))))
+
+    def writeback(self, offset: int, nbytes: int) -> None:
+        first, stop = offset // SEGMENT, (offset + nbytes) // SEGMENT
+        if stop > first:
+            self._inner.writeback(HEADER + first * (SEGMENT + TAG), (stop - first) * (SEGMENT + TAG))
+
+    def close(self, name: str, *, fsync: bool = True) -> Staged:
+        """Seal and write the last segment, then end the inner stream (a staged blob for `name`)."""
+        with self._lock:
+            last, pending = self._end // SEGMENT, dict(self._partial)
+            self._partial.clear()
+        n = self._end - last * SEGMENT
+        slot = pending.pop(last, None)
+        if pending or (n and (slot is None or slot[1] != n)):
+            self._inner.discard()
+            raise OSError(f"a sealed stream was closed with bytes of {len(pending) + (n > 0)} segment(s) never written")
+        plain = memoryview(slot[0])[:n] if slot is not None else b""
+        self._write(HEADER + last * (SEGMENT + TAG), self._seal(last, plain, True, memoryview(bytearray(n + TAG))))
+        return self._inner.close(name, fsync=fsync)
+
+    def discard(self) -> None:
+        self._inner.discard()
+
+
 class _BufferPool:
     """Sealing and opening buffers shared by every thread and store of the process (bytes only,
     no keys): a new store's fresh thread pool reuses them instead of first-touching new memory,
@@ -630,11 +469,12 @@ _POOL_BYTES = 192 << 20  # at most this much kept between uses
 _POOL = _BufferPool()
 
 
-def wrap(backend, keys: StoreKeys | None):
-    """The backend as a store with `keys` sees it (as it is for a plain store)."""
+def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):
+    """The backend as a store with `keys` sees it (as it is for a plain store); `version`: the
+    store's sealing scheme (its config's), which says whether packs may be streamed."""
     if keys is None or isinstance(backend, EncryptedBackend):
         return backend
-    return EncryptedBackend(backend, keys)
+    return EncryptedBackend(backend, keys, streams=version >= 2)
 
 
 def namer_of(backend) -> Namer:

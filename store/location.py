@@ -142,7 +142,7 @@ class Location:
             return
         if self.keys is None or crypt.check_of(self.keys.master) != config.encryption["check"]:
             self.keys = crypt.unlock(self.backend, config.store_id, config.encryption, key, self.name)
-        self.backend = crypt.wrap(self.backend, self.keys)
+        self.backend = crypt.wrap(self.backend, self.keys, config.encryption["version"])
 
     def writable(self) -> bool:
         """Whether this process may change the store (a bucket: found out at the first write)."""

@@ -318,6 +318,92 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
         backend.get("log/z")
 
 
+def _sealed_backend(tmp_path):
+    from cas.localfs import LocalBackend
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return crypt.EncryptedBackend(LocalBackend(str(tmp_path)), crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY)))
+
+
+@pytest.mark.parametrize("size", [9, crypt.SEGMENT, 3 * crypt.SEGMENT, 5 * crypt.SEGMENT + 77, 2 * MAP_FROM + 5])
+def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_path, size):
+    """Writes of any size and place, split into parts, arriving in any order from several
+    threads (as a save's workers stream a pack): what reads back is what was written, whole and
+    by range; the file holds no plaintext; a segment cut, a byte flipped or the blob moved out of
+    packs/ fails its check."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = _sealed_backend(tmp_path)
+    rng = random.Random(size)
+    data = (MARK_TENSOR * (size // len(MARK_TENSOR) + 1))[:size - 1] + b"!"
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(12)), *(i * crypt.SEGMENT for i in range(1, 4))})
+    writes = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if lo < hi <= size]
+    rng.shuffle(writes)
+    stream = backend.stream("packs/00/" + "00" * 32)
+
+    def write(span):
+        lo, hi = span
+        mid = lo + (hi - lo) // 3
+        assert stream.write_at(lo, [data[lo:mid], memoryview(data)[mid:hi]]) == hi - lo
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, writes))
+    name = "packs/ab/" + "ab" * 32
+    assert backend.publish(stream.close(name))
+    path = tmp_path / "packs" / "ab" / ("ab" * 32)
+    sealed = path.read_bytes()
+    assert sealed.startswith(crypt.STREAM_MAGIC) and MARK_TENSOR not in sealed
+    assert backend.stat(name) == size and backend.get(name) == data
+    for start, length in [(0, 5), (size // 2, 100), (crypt.SEGMENT - 3, 10), (max(size - 7, 0), 7), (1, size - 1)]:
+        assert backend.get(name, start, length) == data[start:start + length]
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "x").write_bytes(sealed)  # the same bytes as a blob of another kind
+    with pytest.raises(CorruptionError):
+        backend.get("log/x")
+    if size > crypt.SEGMENT:  # cut after a whole segment: the one left does not say it is the last
+        path.write_bytes(sealed[:crypt.HEADER + crypt.SEGMENT + crypt.TAG])
+        with pytest.raises(CorruptionError):
+            backend.get(name)
+    flipped = bytearray(sealed)
+    flipped[crypt.HEADER + 3] ^= 1
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptionError, match="authentication"):
+        backend.get(name)
+
+
+def test_a_streamed_pack_closed_with_bytes_missing_is_refused(tmp_path):
+    backend = _sealed_backend(tmp_path)
+    stream = backend.stream("packs/00/" + "00" * 32)
+    stream.write_at(0, [b"a" * 100])
+    stream.write_at(200, [b"b" * 100])  # 100..200 never written
+    with pytest.raises(OSError, match="never written"):
+        stream.close("packs/ab/" + "ab" * 32)
+    assert not [p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith(".owner.")]  # the stream's file went
+
+
+def test_new_stores_stream_sealed_packs_and_version_1_stores_keep_sealing_them_whole(tmp_path, monkeypatch):
+    state = {"w": torch.randn(1 << 18), "s": torch.arange(5)}
+    with cas.open(tmp_path / "v2", key="k") as store:
+        store.save(state, step=1)
+        assert store.config.encryption["version"] == 2
+        packs = [store.backend.path(n) for n in store.backend.list("packs/")]
+    assert packs and all(open(p, "rb").read(8) == crypt.STREAM_MAGIC for p in packs)
+    from cas import keys
+    monkeypatch.setattr(keys, "ENCRYPTION_VERSION", 1)  # a store made by the cas before streamed blobs
+    with cas.open(tmp_path / "v1", key="k") as store:
+        store.save(state, step=1)
+    monkeypatch.undo()
+    monkeypatch.setenv(crypt.SCRYPT_ENV, "10")
+    with cas.open(tmp_path / "v1", key="k") as store:
+        assert store.config.encryption["version"] == 1
+        store.save({"w": state["w"] + 1, "s": state["s"]}, step=2)
+        packs = [store.backend.path(n) for n in store.backend.list("packs/")]
+        out = store.load(1)
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["s"], state["s"])
+        assert store.verify().ok
+    assert packs and all(open(p, "rb").read(8) == crypt.BLOB_MAGIC for p in packs)
+
+
 def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(tmp_path):
     state = {"w": torch.randn(1000), "n": "x"}
     with cas.open(tmp_path / "src", key="k") as src:
@@ -366,8 +452,8 @@ def test_dcp_save_and_load_into_an_encrypted_store(tmp_path):
 WORKER = r"""
 import sys, torch, cas
 path, what = sys.argv[1], sys.argv[2]
-with cas.open(path, key="old", chunk_size=64 << 10, pack_max=4096) as store:
-    if what == "save":
+with cas.open(path, key="old", chunk_size=64 << 10, pack_max=None if what == "stream" else 4096) as store:
+    if what in ("save", "stream"):
         store.save({"w": torch.randn(40000, generator=torch.Generator().manual_seed(3)), "s": torch.arange(9)}, step=3)
     elif what == "add":
         store.add_key("new")
@@ -387,6 +473,7 @@ def _killed(path, what, point) -> int:
 
 
 @pytest.mark.parametrize("what,point", [("save", "session.file_written"), ("save", "commit.in_txn"),
+                                        ("stream", "session.pack_written"), ("stream", "commit.in_txn"),
                                         ("add", "keys.adding"), ("add", "keys.added"),
                                         ("remove", "keys.removing"), ("remove", "keys.removed")])
 def test_killed_at_a_fault_point_loses_nothing(tmp_path, what, point):

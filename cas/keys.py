@@ -1,0 +1,292 @@
+"""A store's keys (restic's model): one random 32-byte **master key**, wrapped by user keys.
+
+Each user key (a passphrase, or 32 raw bytes) wraps the master key in a blob `keys/<id>` of its
+own: a passphrase goes through scrypt (its parameters and salt in that blob), a raw key is used
+as it is; the master key is sealed with AES-256-GCM under the result, so the AEAD tag proves the
+key, and the config's `check` (derived from the master key) proves the master key is this
+store's. Keys are added and removed by writing or deleting one such blob: no data is rewritten.
+
+Subkeys come from the master key through HKDF-SHA256: one for the blobs' AEAD (cas/crypt.py),
+one for object names (keyed blake3, cas.hashing.Namer), one for the LMDB cache's sealed records,
+one for the check.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import blake3
+import msgpack
+
+from . import faults
+from .errors import CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, WrongKeyError
+from .hashing import KEY_SIZE, Namer
+
+KEYS_PREFIX = "keys/"
+KEY_MAGIC = b"cas-key\n"
+AEAD_NAME = "aes-256-gcm"
+NAMING = "blake3-keyed"
+# scrypt: 2^17 x 8 x 128 bytes = 128 MiB and about 0.4 s per key tried (restic-like strength).
+# $CAS_SCRYPT_LOG_N lowers it for tests only (at least 10); a key blob records what it used.
+SCRYPT_LOG_N, SCRYPT_R, SCRYPT_P = 17, 8, 1
+SCRYPT_ENV = "CAS_SCRYPT_LOG_N"
+SEGMENT = 64 << 10  # plaintext bytes per sealed segment of a blob (cas/crypt.py)
+# The sealing scheme a store's config names: 1 seals every blob bound to its whole name; 2 also
+# lets a pack be streamed (sealed as it is written, bound to its folder: cas/crypt.py). New stores
+# are made with 2; a version-1 store is read and written as version 1 (an older cas reads it).
+ENCRYPTION_VERSION = 2
+ENCRYPTION_VERSIONS = (1, 2)
+
+
+def aead_cipher(key: bytes):
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # the crypto extra
+
+    return AESGCM(key)
+
+
+def invalid_tag():
+    from cryptography.exceptions import InvalidTag
+
+    return InvalidTag
+
+
+def _hkdf(master: bytes, info: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(master)
+
+
+def user_key(key) -> tuple[str, bytes]:
+    """("passphrase" | "raw", bytes) of a key= value: a str passphrase or 32 raw bytes."""
+    if isinstance(key, str):
+        if not key:
+            raise CasError("an empty passphrase is not a key")
+        return "passphrase", key.encode("utf-8")
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+        if len(raw) != KEY_SIZE:
+            raise CasError(f"a raw key is {KEY_SIZE} bytes, got {len(raw)} (give a passphrase as a str)")
+        return "raw", raw
+    raise CasError(f"key must be a passphrase (str) or {KEY_SIZE} raw bytes, got {type(key).__name__}")
+
+
+def read_key_file(path: str) -> str | bytes:
+    """The key a file holds: exactly 32 bytes that are not one line of text are a raw key;
+    anything else is a passphrase (UTF-8, one trailing newline stripped)."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as exc:
+        raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
+    if len(data) == KEY_SIZE:
+        try:
+            text = data.decode("utf-8")
+            if text.isprintable():
+                return text
+        except UnicodeDecodeError:
+            pass
+        return data
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CasError(f"the key file {path} is neither {KEY_SIZE} raw bytes nor a UTF-8 passphrase") from None
+
+
+@dataclass(frozen=True, repr=False)
+class StoreKeys:
+    """The subkeys of one open store's master key, and the user key that unlocked it (never
+    in a repr: stores, locations and tracebacks get printed)."""
+
+    master: bytes
+    key_id: str  # the keys/ blob that opened the store
+    user: tuple[str, bytes]  # ("passphrase" | "raw", bytes): to create copies (push) openable alike
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
+        object.__setattr__(self, "_index", aead_cipher(_hkdf(self.master, b"cas index v1")))
+        object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
+        object.__setattr__(self, "_aeads", {})  # salt -> its cipher (blob_aead)
+
+    def __repr__(self) -> str:
+        return f"StoreKeys(key_id={self.key_id!r})"
+
+    @property
+    def check(self) -> bytes:
+        return check_of(self.master)
+
+    def blob_aead(self, salt: bytes):
+        """The cipher of a blob's salt; kept (a bounded few), since every entry read from one
+        pack uses the same and deriving it costs more than opening a small object."""
+        aeads = self._aeads
+        aead = aeads.get(salt)
+        if aead is None:
+            if len(aeads) >= 256:
+                aeads.clear()
+            aead = aeads[salt] = aead_cipher(blake3.blake3(b"cas blob key\0" + salt, key=self._blob).digest())
+        return aead
+
+    def seal(self, data: bytes, aad: bytes) -> bytes:
+        """A small value sealed for the LMDB cache: 12-byte random nonce | ciphertext | tag."""
+        nonce = os.urandom(12)
+        return nonce + self._index.encrypt(nonce, data, b"cas-index-1\0" + aad)
+
+    def unseal(self, data, aad: bytes, what: str) -> bytes:
+        data = bytes(data)
+        try:
+            return self._index.decrypt(data[:12], data[12:], b"cas-index-1\0" + aad)
+        except (invalid_tag(), ValueError):
+            raise CorruptionError(f"{what} fails its authentication check (damaged, or sealed by another key)") from None
+
+
+def check_of(master: bytes) -> bytes:
+    return _hkdf(master, b"cas key check v1")[:16]
+
+
+# --- keys/ blobs ----------------------------------------------------------------------------
+def _scrypt_log_n() -> int:
+    text = os.environ.get(SCRYPT_ENV)
+    if not text:
+        return SCRYPT_LOG_N
+    try:
+        value = int(text)
+    except ValueError:
+        raise CasError(f"${SCRYPT_ENV} must be an integer from 10 to 22, got {text!r}") from None
+    if not 10 <= value <= 22:
+        raise CasError(f"${SCRYPT_ENV} must be an integer from 10 to 22, got {value}")
+    return value
+
+
+def _kek(kind: str, secret: bytes, body: dict) -> bytes:
+    if body["kdf"] == "raw":
+        return secret if kind == "raw" else b""
+    if body["kdf"] != "scrypt":
+        raise CasError(f"a key of this store uses the KDF {body['kdf']!r}, which this cas does not know")
+    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+    return Scrypt(salt=bytes(body["salt"]), length=32, n=int(body["n"]), r=int(body["r"]),
+                  p=int(body["p"])).derive(secret)
+
+
+def _key_aad(store_id: str, key_id: str) -> bytes:
+    return b"cas-key-1\0" + store_id.encode() + b"\0" + key_id.encode()
+
+
+def key_blob(store_id: str, key_id: str, master: bytes, user: tuple[str, bytes]) -> bytes:
+    """A keys/<key_id> blob wrapping `master` under the user key."""
+    kind, secret = user
+    if kind == "raw":
+        body = {"format": 1, "kdf": "raw"}
+        kek = secret
+    else:
+        log_n = _scrypt_log_n()
+        body = {"format": 1, "kdf": "scrypt", "n": 1 << log_n, "r": SCRYPT_R, "p": SCRYPT_P, "salt": os.urandom(16)}
+        kek = _kek(kind, secret, body)
+    nonce = os.urandom(12)
+    body.update(aead=AEAD_NAME, nonce=nonce, wrapped=aead_cipher(kek).encrypt(nonce, master, _key_aad(store_id, key_id)),
+                created=time.time())
+    return KEY_MAGIC + msgpack.packb(body, use_bin_type=True)
+
+
+def _parse_key(data) -> dict | None:
+    data = bytes(data)
+    if not data.startswith(KEY_MAGIC):
+        return None
+    try:
+        body = msgpack.unpackb(data[len(KEY_MAGIC):], raw=False)
+        return body if isinstance(body, dict) and body.get("format") == 1 and "wrapped" in body else None
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+
+
+def key_ids(backend) -> list[str]:
+    return [name[len(KEYS_PREFIX):] for name in backend.list(KEYS_PREFIX)]
+
+
+def new_key_id() -> str:
+    return secrets.token_hex(8)
+
+
+def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKeys:
+    """The StoreKeys the user key unlocks: KeyRequiredError without one, WrongKeyError when no
+    keys/ blob of the store opens with it (a wrong key, or a removed one)."""
+    if key is None:
+        raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...); for "
+                               "the CLI, a file named by $CAS_KEY_FILE)")
+    user = user_key(key)
+    kind, secret = user
+    check = bytes(encryption["check"])
+    ids = key_ids(backend)
+    if not ids:
+        raise WrongKeyError(f"the encrypted store at {where} has no keys left (keys/ is empty): it cannot be opened")
+    tried_kdf: dict[tuple, bytes] = {}
+    for key_id in ids:
+        try:
+            body = _parse_key(backend.get(KEYS_PREFIX + key_id))
+        except CorruptionError:  # removed meanwhile, unreadable: another key may open it
+            continue
+        if body is None or (body.get("kdf") == "raw") != (kind == "raw"):
+            continue
+        try:
+            params = (body["kdf"], bytes(body.get("salt", b"")), body.get("n"), body.get("r"), body.get("p"))
+            kek = tried_kdf.get(params) or tried_kdf.setdefault(params, _kek(kind, secret, body))
+            master = aead_cipher(kek).decrypt(bytes(body["nonce"]), bytes(body["wrapped"]), _key_aad(store_id, key_id))
+        except (invalid_tag(), KeyError, TypeError, ValueError):
+            continue
+        if len(master) == KEY_SIZE and secrets.compare_digest(check_of(master), check):
+            return StoreKeys(master, key_id, user)
+    raise WrongKeyError(f"the key given does not open the encrypted store at {where}: it is wrong, or it was "
+                        f"removed (cas key remove); the store has {len(ids)} key(s)")
+
+
+def encryption_fields(master: bytes) -> dict:
+    """What the config records of an encrypted store."""
+    return {"version": ENCRYPTION_VERSION, "aead": AEAD_NAME, "segment": SEGMENT, "naming": NAMING, "kdf": "scrypt",
+            "check": check_of(master)}
+
+
+def check_fields(encryption, where: str) -> dict:
+    if not isinstance(encryption, dict) or encryption.get("version") not in ENCRYPTION_VERSIONS:
+        raise CasError(f"the store at {where} is encrypted with a scheme this cas does not know "
+                       f"({encryption!r}); upgrade cas to open it")
+    if (encryption.get("aead"), encryption.get("segment"), encryption.get("naming")) != (AEAD_NAME, SEGMENT, NAMING) \
+            or not isinstance(encryption.get("check"), bytes) or len(encryption["check"]) != 16:
+        raise CasError(f"the store at {where} is encrypted with parameters this cas does not read: {encryption!r}")
+    return encryption
+
+
+def add_key(backend, store_id: str, keys: StoreKeys, new_key) -> str:
+    """Write a keys/ blob wrapping the store's master key under `new_key` (create-only); its id."""
+    user = user_key(new_key)
+    for _ in range(8):
+        key_id = new_key_id()
+        data = key_blob(store_id, key_id, keys.master, user)
+        faults.point("keys.adding")
+        if backend.put_if_absent(KEYS_PREFIX + key_id, [data]):
+            faults.point("keys.added")
+            return key_id
+    raise CasError("could not draw a free key id")  # eight 64-bit collisions: not chance
+
+
+def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
+    """Delete keys/<key_id>; never the last key, nor the one the store was opened with."""
+    ids = key_ids(backend)
+    if key_id not in ids:
+        raise CasError(f"the store at {where} has no key {key_id!r}; its keys: {', '.join(ids)}")
+    if key_id == keys.key_id:
+        raise KeyRemovalRefusedError(f"key {key_id} is the one this store was opened with; open it with another "
+                                     "key to remove this one")
+    if len(ids) <= 1:
+        raise KeyRemovalRefusedError(f"key {key_id} is the last key of the store at {where}; removing it would "
+                                     "make the store unreadable")
+    faults.point("keys.removing")
+    backend.delete(KEYS_PREFIX + key_id)
+    backend.sync()
+    faults.point("keys.removed")
