@@ -29,7 +29,7 @@ from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, SCRYPT_ENV, SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R,  # noqa: F401
                    ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
-                   key_ids, new_key_id, read_key_file, remove_key, unlock, user_key)
+                   key_from_env, key_ids, new_key_id, read_key_file, remove_key, unlock, user_key)
 
 TAG = 16
 BLOB_MAGIC = b"casenc1\n"  # bound to its name

@@ -74,6 +74,16 @@ def user_key(key) -> tuple[str, bytes]:
     raise CasError(f"key must be a passphrase (str) or {KEY_SIZE} raw bytes, got {type(key).__name__}")
 
 
+KEY_FILE_ENV = "CAS_KEY_FILE"
+
+
+def key_from_env() -> str | bytes | None:
+    """The key in the file $CAS_KEY_FILE names (None when unset): what an encrypted store is
+    opened with when no key= is given (the library, the CLI, DCP ranks, trainer hooks alike)."""
+    path = os.environ.get(KEY_FILE_ENV)
+    return read_key_file(path) if path else None
+
+
 def read_key_file(path: str) -> str | bytes:
     """The key a file holds: exactly 32 bytes that are not one line of text are a raw key;
     anything else is a passphrase (UTF-8, one trailing newline stripped)."""
@@ -219,7 +229,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
     keys/ blob of the store opens with it (a wrong key, or a removed one)."""
     if key is None:
         raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...); for "
-                               "the CLI, a file named by $CAS_KEY_FILE)")
+                               "or a file named by $CAS_KEY_FILE)")
     user = user_key(key)
     kind, secret = user
     check = bytes(encryption["check"])

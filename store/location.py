@@ -141,6 +141,8 @@ class Location:
                                         "encrypted when it is created with a key)")
             return
         if self.keys is None or crypt.check_of(self.keys.master) != config.encryption["check"]:
+            if key is None:  # no key= given: the one in the file $CAS_KEY_FILE names, if set
+                key = crypt.key_from_env()
             self.keys = crypt.unlock(self.backend, config.store_id, config.encryption, key, self.name)
         self.backend = crypt.wrap(self.backend, self.keys, config.encryption["version"])
 

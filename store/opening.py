@@ -22,31 +22,11 @@ def open_path(path: str | os.PathLike, **options) -> CheckpointStore:
     return cas.open(path, **options)
 
 
-KEY_FILE_ENV = "CAS_KEY_FILE"
-
-
-def env_key():
-    """The key in the file $CAS_KEY_FILE names (None when unset): what the CLI opens encrypted
-    stores with, and what a store named by something other than the user's code (a Lightning
-    marker read without the plugin) is opened with."""
-    path = os.environ.get(KEY_FILE_ENV)
-    if not path:
-        return None
-    from cas.crypt import read_key_file  # noqa: PLC0415
-
-    return read_key_file(path)
-
-
 def open_named(path: str | os.PathLike, **options) -> CheckpointStore:
-    """The store at `path`, named by a file rather than by the caller: plain as it is, and an
-    encrypted one with $CAS_KEY_FILE's key (KeyRequiredError naming it when unset)."""
-    try:
-        return open_path(path, **options)
-    except KeyRequiredError:
-        key = env_key()
-        if key is None:
-            raise
-        return open_path(path, key=key, **options)
+    """The store at `path`, named by a file rather than by the caller (a Lightning marker read
+    without the plugin): plain as it is, and an encrypted one with $CAS_KEY_FILE's key, as any
+    open without key= (store/location.py; KeyRequiredError naming it when unset)."""
+    return open_path(path, **options)
 
 
 def given_or_opened(store: str | os.PathLike | CheckpointStore, **options) -> tuple[CheckpointStore, bool]:

@@ -150,6 +150,37 @@ def test_key_errors_are_clear(tmp_path):
         assert issubclass(exc, CasError)
 
 
+def test_the_library_opens_with_the_key_file_named_by_the_environment(tmp_path, monkeypatch):
+    """Without key=, an encrypted store opens with the key in the file $CAS_KEY_FILE names (the
+    library and DCP's load alike); a plain store ignores it, and a new store is made plain
+    unless key= is given."""
+    from cas.store.dcp import load, save
+
+    save({"a": torch.ones(3)}, tmp_path / "d", step=1, no_dist=True, key="right")
+    with cas.open(tmp_path / "s", key="right") as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    with cas.open(tmp_path / "plain") as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    key_file = tmp_path / "key"
+    key_file.write_text("right\n")
+    monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+    with cas.open(tmp_path / "s") as store:
+        assert torch.equal(store.load(1)["a"], torch.ones(3))
+    out = {"a": torch.zeros(3)}
+    load(out, tmp_path / "d", no_dist=True)
+    assert torch.equal(out["a"], torch.ones(3))
+    with cas.open(tmp_path / "plain") as store:  # the key is for encrypted stores only
+        assert not store.encrypted
+    with cas.open(tmp_path / "new") as store:
+        assert not store.encrypted
+    key_file.write_text("wrong")
+    with pytest.raises(WrongKeyError):
+        cas.open(tmp_path / "s")
+    monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "absent"))
+    with pytest.raises(KeyRequiredError, match="absent"):
+        cas.open(tmp_path / "s")
+
+
 def test_keys_added_and_removed_without_rewriting_data(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, key="first") as store:

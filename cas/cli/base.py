@@ -83,18 +83,13 @@ def _finite(value):
     return value
 
 
-KEY_FILE_ENV = "CAS_KEY_FILE"
-
-
 def cli_key():
     """The key of an encrypted store, from the file $CAS_KEY_FILE names (None when unset):
-    32 raw bytes, or a passphrase with one trailing newline stripped."""
-    path = os.environ.get(KEY_FILE_ENV)
-    if not path:
-        return None
-    from cas.crypt import read_key_file
+    32 raw bytes, or a passphrase with one trailing newline stripped. Given explicitly, so a
+    command that creates a store (import) creates it encrypted under that key."""
+    from cas.keys import key_from_env
 
-    return read_key_file(path)  # (cas.store.opening.env_key for the library's own readers)
+    return key_from_env()
 
 
 def run_on_store(fn, store_cls, path: str, args) -> int:
