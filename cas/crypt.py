@@ -137,13 +137,14 @@ class EncryptedBackend:
                        skip: int = 0) -> int:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
-        Segments inside the range decrypt straight into `out`; the edge ones go through a
-        scratch buffer. With `whole`, body runs to the blob's end, whose last segment must say
-        it is the last."""
+        Segments inside the range decrypt straight into `out`; the edge ones are opened into
+        this thread's cache of recent segments (or found there: small objects read one after
+        another from a pack share them). With `whole`, body runs to the blob's end, whose last
+        segment must say it is the last."""
         (salt, aad), invalid = sealing, invalid_tag()
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
-        pos, plain, i, scratch = 0, 0, first, None
+        pos, plain, i = 0, 0, first
         while pos < len(body) or (whole and pos == 0):
             ct = body[pos:pos + SEGMENT + TAG]
             if len(ct) < TAG:
@@ -151,24 +152,49 @@ class EncryptedBackend:
             n = len(ct) - TAG
             short = n < SEGMENT or (whole and pos + len(ct) == len(body))
             inside = skip <= plain and plain + n <= end
-            if inside:
-                dest = out[plain - skip:plain - skip + n]
-            else:
-                scratch = scratch if scratch is not None else memoryview(bytearray(SEGMENT))
-                dest = scratch[:n]
-            try:
-                aead.decrypt_into(_nonce(i, short), ct, aad, dest)
-            except invalid:
-                if short or not self._try_last(aead, aad, ct, i, dest):
-                    raise self._damaged(name, f"segment {i}") from None
-                if whole or pos + len(ct) < len(body):
-                    raise self._damaged(name, f"segment {i} is marked last but more follows") from None
+            opened = None if inside else _SEGMENTS.get(sealing, i, n, short)
+            if opened is None:
+                dest = out[plain - skip:plain - skip + n] if inside else memoryview(bytearray(n))
+                try:
+                    aead.decrypt_into(_nonce(i, short), ct, aad, dest)
+                    marked_last = short
+                except invalid:
+                    if short or not self._try_last(aead, aad, ct, i, dest):
+                        raise self._damaged(name, f"segment {i}") from None
+                    marked_last = True
+                if not inside:
+                    opened = _SEGMENTS.put(sealing, i, dest, marked_last)
+            if (opened[1] if opened is not None else marked_last) and not short \
+                    and (whole or pos + len(ct) < len(body)):
+                raise self._damaged(name, f"segment {i} is marked last but more follows")
             if not inside:
                 lo, hi = max(skip, plain), min(end, plain + n)
                 if lo < hi:
-                    out[lo - skip:hi - skip] = dest[lo - plain:hi - plain]
+                    out[lo - skip:hi - skip] = opened[0][lo - plain:hi - plain]
             pos, plain, i = pos + len(ct), plain + n, i + 1
         return plain
+
+    def _cached_range(self, sealing: tuple[bytes, bytes], start: int, length: int, into) -> bool:
+        """Fill `into` with plain bytes [start, start + length) from this thread's opened
+        segments, with no read, when they hold all of it (a small object next to one just read)."""
+        first, last = start // SEGMENT, (start + length - 1) // SEGMENT
+        if last - first > 1:
+            return False
+        pieces = []
+        for i in range(first, last + 1):
+            opened = _SEGMENTS.peek(sealing, i)
+            if opened is None or (i < last and len(opened[0]) != SEGMENT):
+                return False
+            pieces.append(opened[0])
+        lo = start - first * SEGMENT
+        if lo + length > sum(len(p) for p in pieces):
+            return False
+        filled = 0
+        for p in pieces:
+            take = p[lo:lo + length - filled]
+            into[filled:filled + len(take)] = take
+            filled, lo = filled + len(take), 0
+        return True
 
     @staticmethod
     def _try_last(aead, aad, ct, i, out) -> bool:
@@ -229,6 +255,10 @@ class EncryptedBackend:
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
                 held.append(_POOL.take(nbytes))
                 return memoryview(held[-1])
+            if sealing is not None and length <= SEGMENT:
+                into = memoryview(bytearray(length)) if buffer is None else buffer(max(length, 1))[:length]
+                if self._cached_range(sealing, start, length, into):
+                    return bytes(into) if buffer is None else into
             try:
                 if sealing is None and cstart <= _RANGE_FROM_ZERO:
                     sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
@@ -437,6 +467,47 @@ class SealedStream:
 
     def discard(self) -> None:
         self._inner.discard()
+
+
+class _OpenedSegments:
+    """Each thread's few most recently opened edge segments, keyed by their blob's salt (random
+    per write: a rewritten blob never matches), associated data (a blob copied under another
+    name opens nothing from here) and number: a load reads a pack's small objects
+    one after another, and each would otherwise decrypt the same 64 KiB segment again (on a
+    small model, as many bytes again as the whole payload). Only authenticated plaintext enters."""
+
+    KEEP = 16  # segments per thread: 1 MiB
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _table(self) -> dict:
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = {}
+        return table
+
+    def peek(self, sealing: tuple[bytes, bytes], i: int) -> tuple | None:
+        """(plain bytes, marked last) of segment i, if this thread opened it lately."""
+        return self._table().get((sealing, i))
+
+    def get(self, sealing: tuple[bytes, bytes], i: int, n: int, short: bool) -> tuple | None:
+        """The segment as `peek` has it, if it fits this read: n bytes, and opened with the
+        nonce this read would use (a short one as the last; a whole one as either)."""
+        opened = self._table().get((sealing, i))
+        if opened is None or len(opened[0]) != n or (short and not opened[1]):
+            return None
+        return opened
+
+    def put(self, sealing: tuple[bytes, bytes], i: int, plain, marked_last: bool) -> tuple:
+        table = self._table()
+        if len(table) >= self.KEEP:
+            del table[next(iter(table))]  # the oldest (dicts keep insertion order)
+        table[(sealing, i)] = (plain, marked_last)
+        return table[(sealing, i)]
+
+
+_SEGMENTS = _OpenedSegments()
 
 
 class _BufferPool:

@@ -347,6 +347,10 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
     (tmp_path / "log" / "z").write_bytes(sealed)  # the same bytes under another name
     with pytest.raises(CorruptionError):
         backend.get("log/z")
+    if size:  # also by range, right after reading the same range of the original (its segments opened)
+        assert backend.get("log/x", size // 2, 1) == data[size // 2:size // 2 + 1]
+        with pytest.raises(CorruptionError):
+            backend.get("log/z", size // 2, 1)
 
 
 def _sealed_backend(tmp_path):
