@@ -25,6 +25,7 @@ from itertools import accumulate
 from typing import Iterable
 
 from .backend import Buffer, Staged
+from .buffers import POOL as _POOL
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, SCRYPT_ENV, SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R,  # noqa: F401
@@ -510,34 +511,6 @@ class _OpenedSegments:
 _SEGMENTS = _OpenedSegments()
 
 
-class _BufferPool:
-    """Sealing and opening buffers shared by every thread and store of the process (bytes only,
-    no keys): a new store's fresh thread pool reuses them instead of first-touching new memory,
-    which on this VM costs more than the cipher (about 1 GB/s)."""
-
-    def __init__(self, keep: int = 16) -> None:
-        self._free: list[bytearray] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> bytearray:
-        with self._lock:
-            fits = [b for b in self._free if len(b) >= nbytes]
-            if fits:
-                best = min(fits, key=len)
-                self._free.remove(best)
-                return best
-        return bytearray(max(nbytes, 1 << 20))
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            while len(self._free) > self._keep or sum(map(len, self._free)) > _POOL_BYTES:
-                self._free.remove(min(self._free, key=len))
-
-
-_POOL_BYTES = 192 << 20  # at most this much kept between uses
-_POOL = _BufferPool()
 
 
 def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):

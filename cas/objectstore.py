@@ -32,6 +32,7 @@ from .crypt import namer_of
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError, StoreWriteError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from .backend import Backend, Staged
+from .buffers import ThreadBuffer
 from .objectfiles import FileObjects
 from .packs import PACK_HEADER, PACK_TARGET, STREAM_TARGET, PackEntry, PackFiles, PackStream
 
@@ -45,11 +46,13 @@ _local = threading.local()
 
 def _read_buffer(nbytes: int) -> memoryview:
     """A per-thread reusable read buffer. What fetch() returns in it is valid until the same
-    thread's next fetch: decoding consumes it before it resolves a delta's base."""
-    buf = getattr(_local, "read", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.read = memoryview(bytearray(max(nbytes, 1 << 20)))
-    return buf
+    thread's next fetch: decoding consumes it before it resolves a delta's base. It comes from
+    the process's buffer pool and goes back when the thread ends (a store's pool threads are
+    new for each open store; fresh memory is slow to touch here)."""
+    held = getattr(_local, "read", None)
+    if held is None or len(held.buf) < nbytes:
+        held = _local.read = ThreadBuffer(max(nbytes, 1 << 20))
+    return held.view
 
 
 LEASE_PREFIX = "leases/"
