@@ -480,14 +480,19 @@ class WriteSession:
             base = base_rec.base
         return False
 
-    def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord) -> None:
+    def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord, *, pack_only: bool = False) -> None:
         """Store an already encoded object again (gc's repacking moves live objects this way):
         its new record replaces the index's at the commit, unless the index's names another
         base by then (a recode or relink re-encoded it meanwhile: that encoding stays, and this
-        entry is garbage)."""
+        entry is garbage). pack_only: into a pack whatever its size (a recode's whole copy coded
+        again: the file it had stays readable until the commit, then goes)."""
         with self._lock:
             self._moves.add(key)
-        self._place(key, [blob], memoryview(blob).nbytes, rec.raw_size, rec.base, rec.depth)
+        size = memoryview(blob).nbytes
+        if not pack_only:
+            self._place(key, [blob], size, rec.raw_size, rec.base, rec.depth)
+        elif self._no_stream or not self._stream_entry(key, [blob], size, rec.raw_size, rec.base, rec.depth):
+            self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)  # (pack_only: as write_recoded)
 
     def put_encoded(self, key: bytes, blob, *, raw_size: int, base: bytes | None) -> int:
         """Store an object encoded elsewhere (another store's copy: push, pull, mirror) as it is,

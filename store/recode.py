@@ -52,8 +52,9 @@ class Pair:
     group: int
     raw: np.ndarray | None  # the older chunk's bytes, when kept in memory
     base_raw: np.ndarray | None
-    tail: list  # the older chunks whose chain ends in `key`, nearest first
+    tail: list | None  # the older chunks whose chain ends in `key`, nearest first (None: not known)
     where: tuple  # (new TensorBases, chunk index): whose tail this recode sets
+    keyframe: bool = False  # `key` stays whole (its chain is full or not known): only its codec may change
 
 
 def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_chain: int) -> list[Pair]:
@@ -72,12 +73,13 @@ def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_
             if x == y:
                 cur.tails[i] = list(tail or [])
                 continue
-            if tail is None or len(tail) + 1 > max_chain:
-                continue  # unknown chain, or a full one: the older chunk stays whole
             start, end = spans[i]
+            # unknown chain, or a full one: the older chunk stays whole (a keyframe)
+            keyframe = tail is None or len(tail) + 1 > max_chain
             pairs.append(Pair(x, y, cur.group,
                               prev.data[start:end] if prev.data is not None else None,
-                              cur.data[start:end] if cur.data is not None else None, tail, (cur, i)))
+                              None if keyframe or cur.data is None else cur.data[start:end], tail, (cur, i),
+                              keyframe))
     return pairs
 
 
@@ -164,13 +166,14 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
         seen: set[bytes] = set()
         todo = []
         for p in pairs:
-            if present[p.key] and present[p.base] and p.key not in seen and p.key != p.base \
-                    and session.depth(p.key) == 0 and session.depth(p.base) == 0:
+            if present[p.key] and p.key not in seen and p.key != p.base and session.depth(p.key) == 0 \
+                    and (p.keyframe or present[p.base] and session.depth(p.base) == 0):
                 seen.add(p.key)
                 todo.append(p)
         before = {p.key: objects.record(p.key) for p in todo}
-        written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p, before[p.key].raw_size),
-                                                     todo)) if ok]
+        done = list(pool.map(lambda p: _recode_one(objects, session, p, before[p.key]), todo))
+        written = [p for p, how in zip(todo, done) if how == "delta"]
+        rewritten = [p.key for p, how in zip(todo, done) if how == "whole"]
         faults.point("recode.encoded")
         by_key = {p.key: p for p in written}
 
@@ -183,30 +186,43 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
                         objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
             return set(session.recoded)
 
-        settled = session.commit(finish) if written else set()
+        settled = session.commit(finish) if written or rewritten else set()
     faults.point("recode.committed")
     for key in settled:
         p = by_key[key]
         cur, i = p.where
         cur.tails[i] = [p.key] + p.tail
-    _remove_superseded(objects, settled)
-    packs = {rec.pack for key in settled if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
+    moved = settled | {key for key in rewritten if objects.record(key) != before[key]}
+    _remove_superseded(objects, moved)
+    packs = {rec.pack for key in moved if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
     return len(settled), packs, [(by_key[key], before[key]) for key in settled if by_key[key].tail]
 
 
-def _recode_one(objects, session, p: Pair, n: int) -> bool:
-    """Encode one older chunk (of `n` raw bytes) as a delta of its newer one; False when that is
-    not smaller by the codec's margin (it stays whole)."""
+def _recode_one(objects, session, p: Pair, rec) -> str | None:
+    """Encode one older chunk as a delta of its newer one ("delta"); where it stays whole (a
+    keyframe, or the delta is not smaller by the margin), code it again whole with zstd's own
+    level-1 parameters when that is smaller by the margin ("whole"); else None."""
+    n = rec.raw_size
     try:
         raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
-        base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+        if not p.keyframe:
+            base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
     except CorruptionError:  # damage is verify's (and the load's) to report; this one stays as it is
-        return False
-    enc = objects.codec.encode(raw, p.group, (p.base, base), margin=RECODE_MARGIN)
-    if enc.base is None:
-        return False
-    session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
-    return True
+        return None
+    if not p.keyframe:
+        enc = objects.codec.encode(raw, p.group, (p.base, base), margin=RECODE_MARGIN)
+        if enc.base is not None:
+            session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
+            return "delta"
+    if p.group < 2:
+        return None
+    # Whole, and older than the newest: decoding speed matters less than bytes here. FLOAT_ZSTD
+    # (fast, for the newest) codes Adam's exp_avg 1.3 points larger than zstd's own level 1.
+    enc = objects.codec.encode(raw, p.group, floats=False)
+    if enc.base is not None or enc.size >= RECODE_MARGIN * rec.stored_size:
+        return None
+    session.write_encoded(p.key, b"".join(bytes(part) for part in enc.parts), replace(rec, depth=0), pack_only=True)
+    return "whole"
 
 
 def relink(objects, recoded: list[tuple[Pair, object]], pool: ThreadPoolExecutor, label: str) -> tuple[int, set]:

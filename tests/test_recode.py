@@ -108,6 +108,35 @@ def test_older_chunks_extrapolate_backward_from_the_two_newer_ones(tmp_path):
         assert_exactly_reachable(store)
 
 
+def test_keyframes_are_coded_again_whole_with_zstds_own_parameters_when_smaller(tmp_path):
+    """An older chunk that stays whole (its chain is full) is read rarely: the recode codes it
+    again with zstd's own level-1 parameters where those beat the fast float ones (here: blocks
+    repeated far apart inside a chunk, which the float parameters' tiny hash table misses)."""
+    block = torch.randn(4096)
+
+    def state(step: int) -> dict:
+        w = block.repeat(64).clone()  # 1 MiB: 16 chunks of 64 KiB, each 4 copies of one block
+        w[::1000] += step  # every chunk changes at every step
+        return {"w": w}
+
+    for pack_max in (None, 4096):
+        with cas.open(tmp_path / f"s{pack_max}", chunk_size=64 << 10, pack_max=pack_max, max_chain=1) as store:
+            for step in range(3):
+                store.save(state(step), step=step)
+            store.wait()
+            recs = records(store)
+            newest, keyframe = (recs[w_chunks_of(store, s)[0]] for s in (2, 1))
+            assert keyframe.base is None and newest.base is None
+            assert keyframe.stored_size < 0.7 * newest.stored_size
+            assert store.objects.codec_of(w_chunks_of(store, 1)[0]) == "bytegroup4+zstd"
+            assert recs[w_chunks_of(store, 0)[0]].base == w_chunks_of(store, 1)[0]
+            for step in range(3):
+                assert torch.equal(store.load(step)["w"], state(step)["w"])
+            assert store.verify().ok
+            store.gc()
+            assert_exactly_reachable(store)
+
+
 def test_a_gc_move_read_before_a_recode_does_not_undo_it(tmp_path):
     """gc's repacking copies an entry as it was when read; if a recode made that object a delta
     meanwhile (and coded the chunk below it against that), the copy does not stand."""
