@@ -283,6 +283,16 @@ class CodecPolicy:
             return Encoded([_header(n, ()), view])
         return Encoded([_header(n, self._packed_stages(group))] + parts)
 
+    def plain_params_sample_smaller(self, raw, element_size: int) -> bool:
+        """Whether a sample of a whole float object codes smaller with zstd's own level-1
+        parameters than with FLOAT_ZSTD (encode(floats=False) vs the default): two 64 KiB
+        compressions that spare a recode full encodes that would not pay (weights mostly)."""
+        view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+        group = element_size if element_size > 1 and view.size % element_size == 0 else 0
+        if not self.compress or not group or self.level != 1:
+            return False
+        return self._sample_size(view, group, floats=False) < self._sample_size(view, group)
+
     def _packed_stages(self, group: int) -> tuple:
         """The header stages of what `_pack` makes: [bytegroup,] zstd."""
         return (((STAGE_BYTEGROUP, group),) if group else ()) + ((STAGE_ZSTD, _level_field(self.level)),)

@@ -214,7 +214,7 @@ def _recode_one(objects, session, p: Pair, rec) -> str | None:
         if enc.base is not None:
             session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
             return "delta"
-    if p.group < 2:
+    if p.group < 2 or not objects.codec.plain_params_sample_smaller(raw, p.group):
         return None
     # Whole, and older than the newest: decoding speed matters less than bytes here. FLOAT_ZSTD
     # (fast, for the newest) codes Adam's exp_avg 1.3 points larger than zstd's own level 1.

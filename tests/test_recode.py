@@ -327,6 +327,12 @@ def test_the_delta_option_is_checked():
     with pytest.raises(CasError, match='delta must be True'):
         cas.store.options.StoreOptions(delta=1)
     assert cas.store.options.StoreOptions().delta is True
+    options = cas.store.options.StoreOptions
+    assert options().chain_limit() == 8 and options(delta="forward").chain_limit() == 4  # the newest is deepest there
+    assert options(delta="forward", max_chain=6).chain_limit() == 6
+    assert options.of(options(), delta="forward").chain_limit() == 4
+    with pytest.raises(CasError, match="max_chain must be"):
+        options(max_chain=65)
 
 
 def test_dcp_saves_are_written_whole_and_the_coordinator_recodes_the_one_before(tmp_path):
