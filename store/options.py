@@ -24,9 +24,9 @@ from . import signing
 from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20
-# bench/bench_delta.py (AdamW every 10 steps, with relinked `linear` deltas): 8 stores fp32 0.720 and
-# bf16 0.445 of the torch.save bytes against 0.726 / 0.459 for 4 (the 0.72 / 0.45); the
-# newest restores at full speed either way, the deepest (oldest) one 9x a full restore against 6.6x.
+# bench/bench_delta.py (AdamW every 10 steps, with relinked `linear` deltas): 8 stores fp32 0.718 and
+# bf16 0.445 of the torch.save bytes against 0.723 / 0.459 for 4 (the 0.72 / 0.45); the
+# newest restores at full speed either way, the deepest (oldest) one 8.4x a full restore against 3.7x.
 DEFAULT_MAX_CHAIN = 8
 # Forward chains (delta="forward") keep 4: there the newest checkpoint is the deepest, and each
 # level costs a resume about half a full decode (docs/architecture.md, "Delta chains").
