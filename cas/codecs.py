@@ -237,13 +237,15 @@ class CodecPolicy:
         checked_level(self.level)
 
     def encode(self, raw, element_size: int = 1, base: tuple[bytes, np.ndarray] | None = None,
-               below: np.ndarray | None = None, margin: float = DELTA_MARGIN) -> Encoded:
+               below: np.ndarray | None = None, margin: float = DELTA_MARGIN, floats: bool = True) -> Encoded:
         """Encode raw bytes. `element_size` > 1 asks for byte grouping (floating dtypes). With
         `base` = (key, raw bytes of the same size), the difference from it (`sub_delta`) is
         coded instead when a sample says that is smaller by a margin; with `below` too (the raw
         bytes of the base's own delta base: the base must be a delta of exactly that), so may
         the difference from a `linear_prediction`, whichever samples smallest. Raw storage
-        when nothing compresses."""
+        when nothing compresses. floats=False codes a whole grouped object with zstd's own
+        level-1 parameters instead of FLOAT_ZSTD (slower both ways; smaller for some states:
+        the recode's keyframes, which are read rarely)."""
         view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
         n = view.size
         if not self.compress or n == 0:
@@ -274,12 +276,22 @@ class CodecPolicy:
         if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
             return Encoded([_header(n, ()), view])
         if group and sampled and planes is not None and not all(planes):
-            parts = self._pack_planes(view, group, planes)
+            parts = self._pack_planes(view, group, planes, floats)
         else:
-            parts = [self._pack(view, group)]
+            parts = [self._pack(view, group, floats)]
         if parts is None or _size(parts) >= n:
             return Encoded([_header(n, ()), view])
         return Encoded([_header(n, self._packed_stages(group))] + parts)
+
+    def plain_params_sample_smaller(self, raw, element_size: int) -> bool:
+        """Whether a sample of a whole float object codes smaller with zstd's own level-1
+        parameters than with FLOAT_ZSTD (encode(floats=False) vs the default): two 64 KiB
+        compressions that spare a recode full encodes that would not pay (weights mostly)."""
+        view = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+        group = element_size if element_size > 1 and view.size % element_size == 0 else 0
+        if not self.compress or not group or self.level != 1:
+            return False
+        return self._sample_size(view, group, floats=False) < self._sample_size(view, group)
 
     def _packed_stages(self, group: int) -> tuple:
         """The header stages of what `_pack` makes: [bytegroup,] zstd."""
@@ -290,7 +302,7 @@ class CodecPolicy:
             data = group_bytes(data, group, scratch(data.size))
         return _zstd_c(self.level, floats=floats and bool(group)).compress(data)
 
-    def _pack_planes(self, data: np.ndarray, group: int, planes: list) -> list | None:
+    def _pack_planes(self, data: np.ndarray, group: int, planes: list, floats: bool = True) -> list | None:
         """Payload parts of one zstd frame holding the grouped bytes, in which only the planes
         from the first to the last that `planes` marks compressible go through zstd; the planes
         outside that run (a float's low mantissa bytes: random, 1.000 of raw) become raw blocks
@@ -302,10 +314,10 @@ class CodecPolicy:
         grouped = group_bytes(data, group, scratch(data.size))
         plane = data.size // group
         lo, hi = marked[0] * plane, (marked[-1] + 1) * plane
-        run = _zstd_c(self.level, floats=True).compress(grouped[lo:hi])
+        run = _zstd_c(self.level, floats=floats).compress(grouped[lo:hi])
         spliced = _splice_frame(run, memoryview(grouped), lo, hi)
         if spliced is None:  # a frame shape we do not splice: the planes as one ordinary frame
-            return [_zstd_c(self.level, floats=True).compress(grouped)]
+            return [_zstd_c(self.level, floats=floats).compress(grouped)]
         return spliced
 
     def _best_prediction(self, view: np.ndarray, element_size: int, base: np.ndarray,

@@ -15,6 +15,7 @@ The index, not the presence of a file, decides dedup: a file left by a crash is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -205,7 +206,9 @@ class WriteSession:
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
         self._recoded: set[bytes] = set()  # moves that make a full object a delta (write_recoded)
+        self._relinked: dict[bytes, bytes] = {}  # delta -> its base's base, re-coded against both (write_relinked)
         self.recoded: set[bytes] = set()  # of those, the ones the commit indexes (known inside it)
+        self.relinked: set[bytes] = set()  # the relinked objects the commit indexes (known inside it)
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         # Packs written as objects arrive (local stores): the open one, every one not yet
@@ -441,6 +444,32 @@ class WriteSession:
         if self._no_stream or not self._stream_entry(key, [blob], size, raw_size, base, depth):
             self._add_small(key, blob, raw_size, base, depth)
 
+    def write_relinked(self, key: bytes, blob: bytes, raw_size: int, base: bytes, below: bytes) -> None:
+        """Store a delta again against the same `base`, now extrapolating from that base and
+        `below` (a `linear` delta: store/recode.py codes an older chunk from the newer chunk
+        above it and the one above that), always into a pack. Its record replaces the index's at
+        the commit only if, inside that transaction, the object is still a delta of `base` and
+        `base`'s record (this commit's, when it recodes `base` too) is a delta of exactly
+        `below`, which decoding it takes as the base's base; else the index's stays and the
+        entry is garbage. No reference edge changes, so no chain can loop."""
+        with self._lock:
+            self._moves.add(key)
+            self._relinked[key] = below
+        size = memoryview(blob).nbytes
+        if self._no_stream or not self._stream_entry(key, [blob], size, raw_size, base, 0):
+            self._add_small(key, blob, raw_size, base, 0)
+
+    def _relink_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord,
+                       chosen: dict[bytes, ObjectRecord]) -> ObjectRecord | None:
+        """The record of a relinked object (write_relinked) if it stands, with its depth; None
+        when it does not. `chosen`: the records this commit indexes for the other objects."""
+        if current is None or current.base != rec.base or current.raw_size != rec.raw_size:
+            return None
+        base_rec = chosen.get(rec.base) or self.index.record(txn, rec.base)
+        if base_rec is None or base_rec.base != self._relinked[key]:
+            return None
+        return dataclasses.replace(rec, depth=min(base_rec.depth + 1, 255))
+
     def _recode_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord) -> bool:
         if current is None or current.base is not None or current.raw_size != rec.raw_size:
             return False
@@ -454,12 +483,19 @@ class WriteSession:
             base = base_rec.base
         return False
 
-    def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord) -> None:
+    def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord, *, pack_only: bool = False) -> None:
         """Store an already encoded object again (gc's repacking moves live objects this way):
-        its new record replaces the index's at the commit."""
+        its new record replaces the index's at the commit, unless the index's names another
+        base by then (a recode or relink re-encoded it meanwhile: that encoding stays, and this
+        entry is garbage). pack_only: into a pack whatever its size (a recode's whole copy coded
+        again: the file it had stays readable until the commit, then goes)."""
         with self._lock:
             self._moves.add(key)
-        self._place(key, [blob], memoryview(blob).nbytes, rec.raw_size, rec.base, rec.depth)
+        size = memoryview(blob).nbytes
+        if not pack_only:
+            self._place(key, [blob], size, rec.raw_size, rec.base, rec.depth)
+        elif self._no_stream or not self._stream_entry(key, [blob], size, rec.raw_size, rec.base, rec.depth):
+            self._add_small(key, blob, rec.raw_size, rec.base, rec.depth)  # (pack_only: as write_recoded)
 
     def put_encoded(self, key: bytes, blob, *, raw_size: int, base: bytes | None) -> int:
         """Store an object encoded elsewhere (another store's copy: push, pull, mirror) as it is,
@@ -587,6 +623,10 @@ class WriteSession:
         transaction: another writer may have replaced it already)."""
         if key in self._recoded and not self._recode_stands(txn, key, current, rec):
             return None
+        if key in self._moves and key not in self._recoded and current is not None:
+            if current.base != rec.base:  # a recode re-encoded it since this copy was read:
+                return None  # a `linear` delta above may need its base as it is now
+            rec = dataclasses.replace(rec, depth=current.depth)  # a recode may have deepened its chain since
         rotten = key not in self._moves and self._rotten(txn, key, current)
         if (current is not None and current != rec and key not in self._moves and not rotten
                 and self._holds(key, current)):
@@ -649,13 +689,23 @@ class WriteSession:
         with self.index.write() as txn:
             settled = []
             for key, rec in self._written.items():
+                if key in self._relinked:
+                    continue  # after the rest: its base may be recoded by this commit
                 current = self.index.record(txn, key)
                 chosen = self._settle(txn, key, rec, current, key in replacements)
                 if chosen is not None:
                     if key in self._stale or current is None:
                         self.new_bytes += chosen.stored_size
                     settled.append((key, chosen))
+            if self._relinked:
+                by_key = dict(settled)
+                for key, rec in self._written.items():
+                    if key in self._relinked:
+                        chosen = self._relink_stands(txn, key, self.index.record(txn, key), rec, by_key)
+                        if chosen is not None:
+                            settled.append((key, chosen))
             self.recoded = {key for key, _ in settled if key in self._recoded}  # for `finish` to see
+            self.relinked = {key for key, _ in settled if key in self._relinked}
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:
                 if key in replacements:

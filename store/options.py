@@ -24,7 +24,13 @@ from . import signing
 from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20
-DEFAULT_MAX_CHAIN = 4  # bench/bench_delta.py: bytes within 1% of chains of 8, deepest restore 1.6x faster
+# bench/bench_delta.py (AdamW every 10 steps, with relinked `linear` deltas): 8 stores fp32 0.718 and
+# bf16 0.445 of the torch.save bytes against 0.723 / 0.459 for 4 (the issue's 0.72 / 0.45); the
+# newest restores at full speed either way, the deepest (oldest) one 8.4x a full restore against 3.7x.
+DEFAULT_MAX_CHAIN = 8
+# Forward chains (delta="forward") keep 4: there the newest checkpoint is the deepest, and each
+# level costs a resume about half a full decode (docs/architecture.md, "Delta chains").
+FORWARD_MAX_CHAIN = 4
 # Host memory for copies of a save's tensors, from which the recode of the save before it (or a
 # forward delta) reads. Default none: the recode reads both chunks back from the store, in the
 # background. Measured (bench/bench_delta.py, fp32 state every 10 steps, quiet): with the copy the
@@ -48,7 +54,8 @@ class StoreOptions:
     then, in the background, re-encodes the chunks it replaced as deltas of the new ones (the
     newest checkpoint restores at full speed; store/recode.py; stores in a bucket save whole);
     "forward" codes each save's changed chunks against the previous save's instead (the newest
-    is the deepest); False: no deltas. max_chain: how deep such chains may grow; delta_memory:
+    is the deepest); False: no deltas. max_chain: how deep such chains may grow (default 8; 4
+    for "forward", whose newest checkpoint is the deepest); delta_memory:
     bytes of the last save kept in memory for that (default 0: every base is read back from
     the store; None: all of them, which makes forward saves faster).
     cache_dir: where a bucket store's LMDB cache lives (default $CAS_CACHE_DIR, else
@@ -69,7 +76,7 @@ class StoreOptions:
     pack_max: int | None = DEFAULT_PACK_MAX
     max_inflight: int = 1
     delta: bool | str = True
-    max_chain: int = DEFAULT_MAX_CHAIN
+    max_chain: int | None = None  # None: DEFAULT_MAX_CHAIN, or FORWARD_MAX_CHAIN for delta="forward"
     delta_memory: int | None = DEFAULT_DELTA_MEMORY
     cache_dir: str | None = None
     signing_key: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -84,9 +91,11 @@ class StoreOptions:
         if self.delta not in (True, False, "forward") or type(self.delta) not in (bool, str):
             raise CasError(f'delta must be True (the newest checkpoint whole, older ones recoded as deltas of newer '
                            f'ones), False (no deltas) or "forward" (each save a delta of the last), got {self.delta!r}')
-        if type(self.max_chain) is not int or not 0 <= self.max_chain <= MAX_CHAIN_DECODE:
+        if self.max_chain is not None and (type(self.max_chain) is not int
+                                           or not 0 <= self.max_chain <= MAX_CHAIN_DECODE):
             # chains deeper than MAX_CHAIN_DECODE are refused on restore, as cycles
-            raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE}, got {self.max_chain!r}")
+            raise CasError(f"max_chain must be an int from 0 to {MAX_CHAIN_DECODE} (or None: the default), "
+                           f"got {self.max_chain!r}")
         if self.delta_memory is not None and (type(self.delta_memory) is not int or self.delta_memory < 0):
             raise CasError(f"delta_memory must be a number of bytes (an int >= 0) or None, got {self.delta_memory!r}")
         if type(self.max_inflight) is not int or self.max_inflight < 1:
@@ -112,6 +121,12 @@ class StoreOptions:
             raise TypeError(f"unknown store option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
         base = options if options is not None else cls()
         return dataclasses.replace(base, **overrides) if overrides else base
+
+    def chain_limit(self) -> int:
+        """max_chain, or its default for this delta scheme (None given)."""
+        if self.max_chain is not None:
+            return self.max_chain
+        return FORWARD_MAX_CHAIN if self.delta == "forward" else DEFAULT_MAX_CHAIN
 
     def worker_count(self, cap: int | None = None) -> int:
         """The threads to use: `workers`, or the CPU count (at most `cap` when given)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cas import faults
-from cas.codecs import scratch
+from cas.codecs import decode_into, parse_header, scratch
 from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_PACK
 
@@ -52,8 +52,9 @@ class Pair:
     group: int
     raw: np.ndarray | None  # the older chunk's bytes, when kept in memory
     base_raw: np.ndarray | None
-    tail: list  # the older chunks whose chain ends in `key`, nearest first
+    tail: list | None  # the older chunks whose chain ends in `key`, nearest first (None: not known)
     where: tuple  # (new TensorBases, chunk index): whose tail this recode sets
+    keyframe: bool = False  # `key` stays whole (its chain is full or not known): only its codec may change
 
 
 def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_chain: int) -> list[Pair]:
@@ -72,12 +73,13 @@ def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_
             if x == y:
                 cur.tails[i] = list(tail or [])
                 continue
-            if tail is None or len(tail) + 1 > max_chain:
-                continue  # unknown chain, or a full one: the older chunk stays whole
             start, end = spans[i]
+            # unknown chain, or a full one: the older chunk stays whole (a keyframe)
+            keyframe = tail is None or len(tail) + 1 > max_chain
             pairs.append(Pair(x, y, cur.group,
                               prev.data[start:end] if prev.data is not None else None,
-                              cur.data[start:end] if cur.data is not None else None, tail, (cur, i)))
+                              None if keyframe or cur.data is None else cur.data[start:end], tail, (cur, i),
+                              keyframe))
     return pairs
 
 
@@ -101,6 +103,7 @@ class Recoder:
         self._pending: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
         self.recoded = 0  # objects made deltas so far (for tests and `bench`)
+        self.relinked = 0  # deltas coded again as `linear` ones so far
 
     def busy(self) -> bool:
         with self._lock:
@@ -113,8 +116,12 @@ class Recoder:
         `released(previous)` runs when done (its buffers may be reused)."""
         def run() -> None:
             try:
-                count, packs = recode(self.objects, plan(previous, current, max_chain), self._pool, label)
+                count, packs, above = recode(self.objects, plan(previous, current, max_chain), self._pool, label)
                 self.recoded += count
+                if packs and self.on_recoded is not None:
+                    self.on_recoded(packs)  # compaction: the recoded chunks' whole copies go
+                count, packs = relink(self.objects, above, self._pool, label)
+                self.relinked += count
                 if packs and self.on_recoded is not None:
                     self.on_recoded(packs)
             except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
@@ -146,25 +153,27 @@ class Recoder:
         self._pool.shutdown(wait=True)
 
 
-def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> tuple[int, set]:
+def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> tuple[int, set, list]:
     """Re-encode each pair's older chunk as a delta of its newer one in one write session;
-    returns how many the commit indexed, and the packs that held their copies before (dead
-    entries now, for the caller to compact). Their tails are set for the next recode."""
+    returns how many the commit indexed, the packs that held their copies before (dead
+    entries now, for the caller to compact), and the recoded pairs with a chunk below them
+    (with the record of their whole copy), for `relink`. Their tails are set for the next recode."""
     if not pairs:
-        return 0, set()
+        return 0, set(), []
     with objects.session(f"recode {label}") as session:
-        stored = session.hold([p.key for p in pairs] + [p.base for p in pairs])
-        present = dict(zip([p.key for p in pairs] + [p.base for p in pairs], stored))
+        wanted = [p.key for p in pairs] + [p.base for p in pairs]
+        present = dict(zip(wanted, session.hold(wanted)))
         seen: set[bytes] = set()
         todo = []
         for p in pairs:
-            if present[p.key] and present[p.base] and p.key not in seen and p.key != p.base \
-                    and session.depth(p.key) == 0 and session.depth(p.base) == 0:
+            if present[p.key] and p.key not in seen and p.key != p.base and session.depth(p.key) == 0 \
+                    and (p.keyframe or present[p.base] and session.depth(p.base) == 0):
                 seen.add(p.key)
                 todo.append(p)
         before = {p.key: objects.record(p.key) for p in todo}
-        written = [p for p, ok in zip(todo, pool.map(lambda p: _recode_one(objects, session, p, before[p.key].raw_size),
-                                                     todo)) if ok]
+        done = list(pool.map(lambda p: _recode_one(objects, session, p, before[p.key]), todo))
+        written = [p for p, how in zip(todo, done) if how == "delta"]
+        rewritten = [p.key for p, how in zip(todo, done) if how == "whole"]
         faults.point("recode.encoded")
         by_key = {p.key: p for p in written}
 
@@ -177,29 +186,102 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
                         objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
             return set(session.recoded)
 
-        settled = session.commit(finish) if written else set()
+        settled = session.commit(finish) if written or rewritten else set()
     faults.point("recode.committed")
     for key in settled:
         p = by_key[key]
         cur, i = p.where
         cur.tails[i] = [p.key] + p.tail
-    _remove_superseded(objects, settled)
-    packs = {rec.pack for key in settled if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
-    return len(settled), packs
+    moved = settled | {key for key in rewritten if objects.record(key) != before[key]}
+    _remove_superseded(objects, moved)
+    packs = {rec.pack for key in moved if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
+    return len(settled), packs, [(by_key[key], before[key]) for key in settled if by_key[key].tail]
 
 
-def _recode_one(objects, session, p: Pair, n: int) -> bool:
-    """Encode one older chunk (of `n` raw bytes) as a delta of its newer one; False when that is
-    not smaller by the codec's margin (it stays whole)."""
+def _recode_one(objects, session, p: Pair, rec) -> str | None:
+    """Encode one older chunk as a delta of its newer one ("delta"); where it stays whole (a
+    keyframe, or the delta is not smaller by the margin), code it again whole with zstd's own
+    level-1 parameters when that is smaller by the margin ("whole"); else None."""
+    n = rec.raw_size
     try:
         raw = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
-        base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+        if not p.keyframe:
+            base = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
     except CorruptionError:  # damage is verify's (and the load's) to report; this one stays as it is
+        return None
+    if not p.keyframe:
+        enc = objects.codec.encode(raw, p.group, (p.base, base), margin=RECODE_MARGIN)
+        if enc.base is not None:
+            session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
+            return "delta"
+    if p.group < 2 or not objects.codec.plain_params_sample_smaller(raw, p.group):
+        return None
+    # Whole, and older than the newest: decoding speed matters less than bytes here. FLOAT_ZSTD
+    # (fast, for the newest) codes Adam's exp_avg 1.3 points larger than zstd's own level 1.
+    enc = objects.codec.encode(raw, p.group, floats=False)
+    if enc.base is not None or enc.size >= RECODE_MARGIN * rec.stored_size:
+        return None
+    session.write_encoded(p.key, b"".join(bytes(part) for part in enc.parts), replace(rec, depth=0), pack_only=True)
+    return "whole"
+
+
+def relink(objects, recoded: list[tuple[Pair, object]], pool: ThreadPoolExecutor, label: str) -> tuple[int, set]:
+    """Code the chunk below each just-recoded chunk again, as a `linear` delta extrapolating
+    backward from the recoded chunk and the newer one it is now a delta of (`_relink_one`), in
+    one write session; returns how many the commit indexed and the packs their `sub` copies
+    were in. Only where the recoded chunk's whole copy is gone from disk (its pack compacted
+    away, its file removed): a `linear` delta reads its base's base, so its base must be a delta
+    of that in every copy an index rebuilt from disk could choose (store/cache.py prefers
+    whole copies)."""
+    todo = [(p, whole) for p, whole in recoded if _gone(objects, p.key, whole)]
+    if not todo:
+        return 0, set()
+    with objects.session(f"relink {label}") as session:
+        wanted = [k for p, _ in todo for k in (p.tail[0], p.key, p.base)]
+        present = dict(zip(wanted, session.hold(wanted)))
+        todo = [p for p, _ in todo if all(present[k] for k in (p.tail[0], p.key, p.base))]
+        before = {p.tail[0]: objects.record(p.tail[0]) for p in todo}
+        written = [p for p, ok in zip(todo, pool.map(lambda p: _relink_one(objects, session, p, before[p.tail[0]]),
+                                                     todo)) if ok]
+        faults.point("recode.relink_encoded")
+        settled = session.commit(lambda txn: set(session.relinked)) if written else set()
+    faults.point("recode.relinked")
+    return len(settled), {rec.pack for key in settled if (rec := before[key]) is not None and rec.where == WHERE_PACK}
+
+
+def _gone(objects, key: bytes, whole) -> bool:
+    """Whether the copy `whole` (a record of `key` before its recode) is no longer on disk."""
+    if whole is None:
         return False
-    enc = objects.codec.encode(raw, p.group, (p.base, base), margin=RECODE_MARGIN)
-    if enc.base is None:
+    if whole.where == WHERE_PACK:
+        return objects.packs.size(whole.pack) is None
+    return objects.files.has(key) is None
+
+
+def _relink_one(objects, session, p: Pair, rec) -> bool:
+    """Code `p.tail[0]` (a delta of `p.key`) again as a `linear` delta of `p.key`, with `p.base`
+    (what `p.key` is now a delta of) as the base's base: its prediction p.key + (p.key -
+    p.base) / 2^h extrapolates backward (docs/format.md, stage 5). The newest chunk has no base,
+    so the recode of the chunk below it could only code `sub`. Kept only when smaller than the
+    `sub` by the recode's margin; False else."""
+    key = p.tail[0]
+    if rec is None or rec.base != p.key:
         return False
-    session.write_recoded(p.key, b"".join(bytes(part) for part in enc.parts), n, p.base, 1)
+    n = rec.raw_size
+    try:
+        above = p.raw if p.raw is not None else objects.get(p.key, scratch(n, "recode older"))
+        top = p.base_raw if p.base_raw is not None else objects.get(p.base, scratch(n, "recode newer"))
+        data = objects.fetch(key)
+        if parse_header(data, key=key).needs_below or above.size != n:
+            return False
+        raw = decode_into(data, key, scratch(n, "relink"), above, namer=objects.namer)
+    except CasError:  # damage is verify's to report; moved meanwhile: left as it is
+        return False
+    enc = objects.codec.encode(raw, p.group, (p.key, above), below=top, margin=RECODE_MARGIN)
+    if enc.base != p.key or not parse_header(enc.parts[0], key=key).needs_below \
+            or enc.size >= RECODE_MARGIN * rec.stored_size:
+        return False
+    session.write_relinked(key, b"".join(bytes(part) for part in enc.parts), n, p.key, p.base)
     return True
 
 

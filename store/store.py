@@ -102,7 +102,7 @@ class CheckpointStore:
         self._background = BackgroundSaves()
         self.max_inflight = opts.max_inflight
         self.delta = opts.delta
-        self.max_chain = opts.max_chain
+        self.max_chain = opts.chain_limit()
         self.delta_memory = opts.delta_memory  # bytes of the last save kept for deltas; None: all of them
         self.signing_key = opts.signing_key  # signs each commit's record (store/signing.py), or None
         # the last save's floating tensors; None until the first delta save of this open store

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from cas.errors import CasError, CheckpointExistsError, CorruptionError, ReadOnlyStoreError
 from cas.chains import decode_chain
+from cas.codecs import parse_header
 from cas.objectstore import WriteSession
 from cas.progress import ProgressCallback
 
@@ -185,6 +186,7 @@ class _Copier:
         chains = self.src.objects.chains(tops)
         lower = list(OrderedDict.fromkeys(k for top in tops for k in chains[top][1:]))
         present = dict(zip(lower, session.claim(lower))) if lower else {}
+        held = {key for key, ok in present.items() if ok}  # dst's own copies: their chains are dst's
         needed = set(tops) | {key for key, ok in present.items() if not ok}  # this batch writes them
         owner: dict[bytes, int] = {}
         jobs: list[tuple[list[bytes], set[bytes], set[int]]] = []
@@ -201,7 +203,8 @@ class _Copier:
         futures: list[Future] = []
         try:
             for chain, mine, before in jobs:
-                futures.append(self.pool.submit(self._copy_chain, session, chain, mine, [futures[i] for i in before]))
+                futures.append(self.pool.submit(self._copy_chain, session, chain, mine, [futures[i] for i in before],
+                                                held))
                 while sum(not f.done() for f in futures) > self.window:
                     wait(futures, return_when="FIRST_COMPLETED")
             for fut in futures:
@@ -210,11 +213,14 @@ class _Copier:
             wait(futures)  # no worker may still write once the session aborts
             raise
 
-    def _copy_chain(self, session: WriteSession, chain: list[bytes], mine: set[bytes], before: list[Future]) -> None:
+    def _copy_chain(self, session: WriteSession, chain: list[bytes], mine: set[bytes], before: list[Future],
+                    held: set[bytes]) -> None:
         """Decode `chain` from the source, its top checked against its key (a wrong level below
         makes a wrong top; a failed check decodes again checking each level, to name the damaged
         one), then put the levels in `mine` into dst bottom up, once the jobs writing the levels
-        below them are done."""
+        below them are done. A `linear` delta whose base dst holds (`held`) encoded otherwise
+        than the source (whole, or a delta of another base) is coded again against that base:
+        it extrapolates from the base's own base, which dst's copy does not name."""
         kept: dict[bytes, bytes] = {}
 
         def fetch(key: bytes):
@@ -235,10 +241,22 @@ class _Copier:
             key = chain[level]
             if key in mine:
                 base = chain[level + 1] if level + 1 < len(chain) else None
-                size = session.put_encoded(key, kept[key], raw_size=raw.size, base=base)
+                below = chain[level + 2] if level + 2 < len(chain) else None
+                if base in held and session.base_of(base) != below and parse_header(kept[key], key=key).needs_below:
+                    size = self._code_again(session, key, base, parse_header(kept[key], key=key).stages[0][1])
+                else:
+                    size = session.put_encoded(key, kept[key], raw_size=raw.size, base=base)
                 with self.lock:
                     self.report.objects_copied += 1
                     self.report.bytes_copied += size
+
+
+    def _code_again(self, session: WriteSession, key: bytes, base: bytes, element_size: int) -> int:
+        """Write `key` into dst coded by dst's codec against `base` alone (a `sub` delta, or whole
+        when that does not pay), from the source's decoded bytes of both (checked)."""
+        raw = self.src.objects.get(key)
+        base_raw = self.src.objects.get(base)
+        return session.write(key, raw, element_size, (base, base_raw, session.depth(base) or 0))
 
 
 def _batches(items: Iterator[bytes], size: int) -> Iterator[list[bytes]]:

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_delta import FLOATS, chains, next_state
 from test_gc import assert_exactly_reachable
-from workers import drifting, tensor
+from test_truth import drop_index_files
+from workers import drifting, smooth, tensor
 
 import cas
 from cas import faults
@@ -28,6 +29,7 @@ from cas.store.tensors import TORCH_DTYPES
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
 RECODE_POINTS = ["recode.encoded", "recode.in_txn", "recode.committed", "recode.files_removed"]
+RELINK_POINTS = ["recode.relink_encoded", "recode.relinked"]
 
 
 def records(store) -> dict:
@@ -83,6 +85,98 @@ def test_the_newest_is_whole_and_older_checkpoints_are_deltas_of_newer_ones(tmp_
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)
+
+
+def test_older_chunks_extrapolate_backward_from_the_two_newer_ones(tmp_path):
+    """Once a chunk's newer neighbour is itself recoded, the chunk is coded again as a `linear`
+    delta of that neighbour, predicted from it and the chunk above it: the newest stays whole,
+    the one below it `sub`, the rest `linear` down to the keyframe."""
+    for steps in (range(6), range(6, 10)):  # a reopen in mid-chain: its chains are read back from the index
+        with cas.open(tmp_path / "d", chunk_size=64 << 10, pack_max=4096, max_chain=3) as store:
+            for step in steps:
+                store.save(smooth(step), step=step)
+                store.wait()
+                assert_chains(store, 3)
+    with cas.open(tmp_path / "d") as store:
+        codecs = [store.objects.codec_of(w_chunks_of(store, s)[0]).split("+")[0] for s in range(10)]
+        assert codecs == ["linear4", "linear4", "sub4", "bytegroup4", "linear4", "linear4", "sub4", "bytegroup4",
+                          "sub4", "bytegroup4"]
+        for step in range(10):
+            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
+def test_keyframes_are_coded_again_whole_with_zstds_own_parameters_when_smaller(tmp_path):
+    """An older chunk that stays whole (its chain is full) is read rarely: the recode codes it
+    again with zstd's own level-1 parameters where those beat the fast float ones (here: blocks
+    repeated far apart inside a chunk, which the float parameters' tiny hash table misses)."""
+    block = torch.randn(4096)
+
+    def state(step: int) -> dict:
+        w = block.repeat(64).clone()  # 1 MiB: 16 chunks of 64 KiB, each 4 copies of one block
+        w[::1000] += step  # every chunk changes at every step
+        return {"w": w}
+
+    for pack_max in (None, 4096):
+        with cas.open(tmp_path / f"s{pack_max}", chunk_size=64 << 10, pack_max=pack_max, max_chain=1) as store:
+            for step in range(3):
+                store.save(state(step), step=step)
+            store.wait()
+            recs = records(store)
+            newest, keyframe = (recs[w_chunks_of(store, s)[0]] for s in (2, 1))
+            assert keyframe.base is None and newest.base is None
+            assert keyframe.stored_size < 0.7 * newest.stored_size
+            assert store.objects.codec_of(w_chunks_of(store, 1)[0]) == "bytegroup4+zstd"
+            assert recs[w_chunks_of(store, 0)[0]].base == w_chunks_of(store, 1)[0]
+            for step in range(3):
+                assert torch.equal(store.load(step)["w"], state(step)["w"])
+            assert store.verify().ok
+            store.gc()
+            assert_exactly_reachable(store)
+
+
+def test_a_gc_move_read_before_a_recode_does_not_undo_it(tmp_path):
+    """gc's repacking copies an entry as it was when read; if a recode made that object a delta
+    meanwhile (and coded the chunk below it against that), the copy does not stand."""
+    with cas.open(tmp_path / "d", chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(2):
+            store.save(smooth(step), step=step)
+        store.wait()
+        key = w_chunks_of(store, 1)[0]
+        stale, blob = store.objects.record(key), bytes(store.objects.fetch(key))
+        assert stale.base is None
+        store.save(smooth(2), step=2)  # step 1 becomes a delta of step 2, step 0 extrapolates from both
+        store.wait()
+        assert store.objects.codec_of(w_chunks_of(store, 0)[0]).startswith("linear")
+        with store.objects.session("gc repack") as session:
+            session.hold([key])
+            session.write_encoded(key, blob, stale)
+            session.commit(lambda txn: None)
+        assert store.objects.record(key).base == w_chunks_of(store, 2)[0]
+        for step in range(3):
+            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+        assert store.verify().ok
+
+
+def test_a_copied_linear_delta_whose_base_the_destination_holds_whole_is_coded_again(tmp_path):
+    """push copies objects as they are encoded; a `linear` delta reads its base's base, so where
+    the destination holds that base otherwise (whole, saved there itself) it is coded again."""
+    with cas.open(tmp_path / "src", chunk_size=64 << 10, pack_max=4096) as src, \
+            cas.open(tmp_path / "dst", chunk_size=64 << 10, delta=False) as dst:
+        for step in range(3):
+            src.save(smooth(step), step=step)
+        src.wait()
+        assert src.objects.codec_of(w_chunks_of(src, 0)[0]).startswith("linear")
+        dst.save(smooth(1), step=101)  # step 1's chunks, whole
+        src.push(dst, steps=[0])
+        assert torch.equal(dst.load(0)["w"], smooth(0)["w"])
+        assert dst.verify().ok
+        src.push(dst)
+        for step in range(3):
+            assert torch.equal(dst.load(step)["w"], smooth(step)["w"])
+        assert dst.verify().ok
 
 
 def test_a_reopened_store_recodes_the_latest_checkpoint_knowing_its_chain(tmp_path):
@@ -154,6 +248,39 @@ def test_a_kill_at_every_phase_of_a_recode_loses_nothing(tmp_path, point):
         assert_exactly_reachable(store)
 
 
+@pytest.mark.parametrize("lose_index", [False, True])
+@pytest.mark.parametrize("point", RECODE_POINTS + RELINK_POINTS)
+def test_a_kill_at_every_phase_of_a_recode_that_relinks_loses_nothing(tmp_path, point, lose_index):
+    """The second recode (step 1 against step 2) is followed by a relink of step 0 (extrapolating
+    from steps 1 and 2) once step 1's whole copy is gone; a kill anywhere in either, even with
+    the index then rebuilt from what is on disk, loses nothing."""
+    path = tmp_path / "s"
+    at = "" if point in RELINK_POINTS else "@2"
+    env = dict(os.environ, CAS_FAULTS=f"{point}=kill{at}")
+    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), "5", "smooth"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    if lose_index:
+        drop_index_files(path)
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        assert [ck.step for ck in store.checkpoints()] == [0, 1, 2]
+        for step in range(3):
+            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+        for step in (3, 4):
+            store.save(smooth(step), step=step)
+        store.wait()
+        assert_chains(store, store.max_chain)
+        for step in range(5):
+            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+        assert store.objects.codec_of(w_chunks_of(store, 2)[0]).startswith("linear")
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
 def test_loads_of_an_old_checkpoint_while_it_is_recoded_never_fail(tmp_path):
     """A reader that looked a chunk's file up just before a recode moved it into a pack looks
     again (ObjectStore.fetch)."""
@@ -200,6 +327,12 @@ def test_the_delta_option_is_checked():
     with pytest.raises(CasError, match='delta must be True'):
         cas.store.options.StoreOptions(delta=1)
     assert cas.store.options.StoreOptions().delta is True
+    options = cas.store.options.StoreOptions
+    assert options().chain_limit() == 8 and options(delta="forward").chain_limit() == 4  # the newest is deepest there
+    assert options(delta="forward", max_chain=6).chain_limit() == 6
+    assert options.of(options(), delta="forward").chain_limit() == 4
+    with pytest.raises(CasError, match="max_chain must be"):
+        options(max_chain=65)
 
 
 def test_dcp_saves_are_written_whole_and_the_coordinator_recodes_the_one_before(tmp_path):

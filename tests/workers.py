@@ -134,12 +134,20 @@ def drifting(step: int) -> dict:
     return {"w": w, "b": tensor(50 + step, rows=2)}
 
 
-def recode_series(path: str, steps: str) -> None:
-    """Save drifting(0..steps-1) with the default (reverse) deltas, each recode finished
-    before the next save, so a fault point in a recode stops the series at a known step."""
+def smooth(step: int) -> dict:
+    """State `step` of a series whose weight moves steadily, plus a little noise (older chunks
+    become `linear` deltas extrapolating backward)."""
+    w = tensor(11) + step * 1e-3 * tensor(12) + 1e-6 * tensor(200 + step)
+    return {"w": w, "b": tensor(50 + step, rows=2)}
+
+
+def recode_series(path: str, steps: str, series: str = "drifting") -> None:
+    """Save drifting(0..steps-1) (or smooth) with the default (reverse) deltas, each recode
+    finished before the next save, so a fault point in a recode stops the series at a known step."""
+    state = {"drifting": drifting, "smooth": smooth}[series]
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         for step in range(int(steps)):
-            store.save(drifting(step), step=step)
+            store.save(state(step), step=step)
             store.wait()
 
 

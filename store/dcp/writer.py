@@ -188,7 +188,7 @@ class CasWriter(StorageWriter):
         self.workers = self.options.worker_count(cap=8)
         self.delta = self.options.delta == "forward"  # ranks code against their previous save (store/dcp/bases.py)
         self.recode = self.options.delta is True  # ranks write whole; the coordinator recodes the previous save
-        self.max_chain = self.options.max_chain
+        self.max_chain = self.options.chain_limit()
         self.delta_memory = self.options.delta_memory
         if self.delta and self.in_bucket:
             raise CasError(f'DCP delta="forward" saves into a bucket store ({self.path}) are not supported: a rank '
