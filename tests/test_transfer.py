@@ -36,6 +36,7 @@ def src(tmp_path):
         s.save(state(2), step=2, milestone=True)
         s.save(state(3), step=3)
         s.pin(3)
+        s.wait()  # the background recode done: its re-encodes change stored sizes
         yield s
 
 
