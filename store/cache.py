@@ -36,6 +36,8 @@ from .records import entry_name
 from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
 
+HEADER_READ = 256  # bytes of an object that hold its codec header (a delta's base key and shift included)
+
 SCAN_THREADS = 16  # ranged reads of pack footers in flight while a cache is rebuilt
 
 
@@ -122,7 +124,7 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     report.packs = _scan_packs(store.objects.packs, copies, report, check=check)
     _scan_files(store.objects.files, copies, report)
     _forget_deleted_packs(copies, entries)
-    records = choose_copies(copies, old)
+    records = choose_copies(copies, old, extrapolates=lambda key, rec: _extrapolates(store.objects, key, rec))
     set_depths(records)
     txn.drop(index.db("objects"), delete=False)
     for key, rec in records.items():
@@ -331,12 +333,15 @@ def _scan_files(files, copies: dict, report) -> None:
             report.skipped.append(f"object {key.hex()}: {exc}")
 
 
-def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectRecord]) -> dict[bytes, ObjectRecord]:
+def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, ObjectRecord],
+                  extrapolates=None) -> dict[bytes, ObjectRecord]:
     """One record per object among its copies on disk (a pack entry a crashed gc did not yet
     rewrite, a file, another writer's pack entry that lost the commit): the old index's record
     when it still describes one of them and its chain holds; else a full object; else a delta
     whose chain reaches a full object on disk. (A dead delta entry whose base is gone once beat
-    the live full copy, and a checkpoint that loaded before the repair did not after it.)"""
+    the live full copy, and a checkpoint that loaded before the repair did not after it.) But a
+    `linear` delta (`extrapolates(key, record)` says so, reading its header) predicts from its
+    base's own base, so a base chosen whole under one takes its delta copy instead."""
     anchored = {key for key, recs in copies.items() if any(r.base is None for r in recs)}
     grown = True
     while grown:  # a delta is anchored once its base is; chains are short
@@ -354,6 +359,8 @@ def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, Obje
         prev = old.get(key)
         same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
         out[key] = same[0] if same else min(recs, key=rank)
+    if extrapolates is not None:
+        _keep_extrapolated_bases(copies, out, extrapolates)
     changed = True
     while changed:  # records that do not reach a full object (a cycle) take a copy whose base does
         changed = False
@@ -364,6 +371,44 @@ def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, Obje
                     out[key] = min(good, key=rank)
                     changed = True
     return out
+
+
+def _keep_extrapolated_bases(copies: dict[bytes, list[ObjectRecord]], out: dict[bytes, ObjectRecord],
+                             extrapolates) -> None:
+    """Give each base chosen whole its delta copy where a `linear` delta stands on it (the
+    relinks of store/recode.py: coded against the base's delta copy, whose own base they read).
+    Headers are read only where a base has both kinds of copy on disk (a duplicate a second
+    writer left, until gc compacts it)."""
+    for key, rec in list(out.items()):
+        base = rec.base
+        if base is None or base not in out or out[base].base is not None:
+            continue
+        deltas = [r for r in copies.get(base, []) if r.base is not None and _reaches_full(out, r.base)
+                  and base not in _chain_keys(out, r.base)]
+        if deltas and extrapolates(key, rec):
+            out[base] = deltas[0]
+
+
+def _chain_keys(records: dict[bytes, ObjectRecord], key: bytes) -> set[bytes]:
+    keys: set[bytes] = set()
+    while key is not None and key not in keys and len(keys) <= MAX_CHAIN_DECODE:
+        keys.add(key)
+        rec = records.get(key)
+        key = rec.base if rec is not None else None
+    return keys
+
+
+def _extrapolates(objects, key: bytes, rec: ObjectRecord) -> bool:
+    """Whether the copy `rec` of object `key` is a `linear` delta (read from its header; an
+    unreadable one is not: the load reports it)."""
+    try:
+        if rec.where == WHERE_PACK:
+            data = objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, HEADER_READ), key)
+        else:
+            data = objects.files.get(key)
+        return parse_header(data, key=key).needs_below
+    except CasError:
+        return False
 
 
 def _reaches_full(records: dict[bytes, ObjectRecord], key: bytes) -> bool:

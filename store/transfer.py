@@ -250,7 +250,6 @@ class _Copier:
                     self.report.objects_copied += 1
                     self.report.bytes_copied += size
 
-
     def _code_again(self, session: WriteSession, key: bytes, base: bytes, element_size: int) -> int:
         """Write `key` into dst coded by dst's codec against `base` alone (a `sub` delta, or whole
         when that does not pay), from the source's decoded bytes of both (checked)."""

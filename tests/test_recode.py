@@ -108,6 +108,32 @@ def test_older_chunks_extrapolate_backward_from_the_two_newer_ones(tmp_path):
         assert_exactly_reachable(store)
 
 
+def test_a_rebuilt_index_keeps_the_base_of_a_linear_delta_a_delta_when_a_whole_copy_lies_beside_it(tmp_path):
+    """A `linear` delta extrapolates from its base's own base, so its base must stay a delta. When
+    a second writer left a whole copy of that base in a pack of its own (a dead duplicate, until
+    gc compacts it), an index rebuilt from disk would prefer the whole copy, and the older
+    checkpoint would read as damaged: the rebuild reads the delta's header and keeps the base's
+    delta copy."""
+    path = tmp_path / "d"
+    with cas.open(path, chunk_size=64 << 10, max_chain=3) as store:
+        for step in range(4):
+            store.save(smooth(step), step=step)
+            store.wait()
+        top = w_chunks_of(store, 0)[0]
+        assert store.objects.codec_of(top).startswith("linear")
+        base = store.objects.record(top).base
+        raw = store.objects.get(base)
+        whole = store.objects.codec.encode(raw, 4)
+        assert whole.base is None
+        store.objects.packs.write([(base, b"".join(bytes(p) for p in whole.parts), raw.size, None)])
+    drop_index_files(path)
+    with cas.open(path) as store:
+        assert store.objects.record(base).base is not None
+        for step in range(4):
+            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+        assert store.verify().ok
+
+
 def test_keyframes_are_coded_again_whole_with_zstds_own_parameters_when_smaller(tmp_path):
     """An older chunk that stays whole (its chain is full) is read rarely: the recode codes it
     again with zstd's own level-1 parameters where those beat the fast float ones (here: blocks
