@@ -13,7 +13,8 @@ it cannot pass for a blob of another kind, and every entry read from it is check
 own key, so a pack moved to another pack's name fails on its first read. Either way a segment
 moved, reordered, dropped or cut off fails its check. A ranged read decrypts only the segments
 it covers; sizes (stat, list_sizes, peek) are the plaintext's, computed from the ciphertext's.
-cryptography's AEADs release the GIL, so the save and load pools encrypt and decrypt in parallel.
+The save and load pools seal and open in their workers; cryptography 50 holds the GIL through
+each AES-GCM call (later releases let it go: pyca/cryptography PR 15361), so the pass is serial.
 """
 
 from __future__ import annotations
