@@ -59,6 +59,11 @@ def plain_size(sealed: int) -> int:
     return body - TAG * max(1, -(-body // (SEGMENT + TAG)))
 
 
+def _segment_at(i: int) -> int:
+    """Where segment i of a sealed blob starts."""
+    return HEADER + i * (SEGMENT + TAG)
+
+
 def _nonce(i: int, last: bool) -> bytes:
     return i.to_bytes(11, "big") + (b"\x01" if last else b"\x00")
 
@@ -110,7 +115,7 @@ class EncryptedBackend:
         aead, aad = self.keys.blob_aead(salt), _aad(name)
         for i in range(nseg):
             lo, hi = i * SEGMENT, min(total, (i + 1) * SEGMENT)
-            at = HEADER + i * (SEGMENT + TAG)
+            at = _segment_at(i)
             aead.encrypt_into(_nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
                               out[at:at + hi - lo + TAG])
         return out
@@ -155,7 +160,9 @@ class EncryptedBackend:
             short = n < SEGMENT or (whole and pos + len(ct) == len(body))
             inside = skip <= plain and plain + n <= end
             opened = None if inside else _SEGMENTS.get(sealing, i, n, short)
-            if opened is None:
+            if opened is not None:
+                marked_last = opened[1]
+            else:
                 dest = out[plain - skip:plain - skip + n] if inside else memoryview(bytearray(n))
                 try:
                     aead.decrypt_into(_nonce(i, short), ct, aad, dest)
@@ -166,8 +173,7 @@ class EncryptedBackend:
                     marked_last = True
                 if not inside:
                     opened = _SEGMENTS.put(sealing, i, dest, marked_last)
-            if (opened[1] if opened is not None else marked_last) and not short \
-                    and (whole or pos + len(ct) < len(body)):
+            if marked_last and not short and (whole or pos + len(ct) < len(body)):
                 raise self._damaged(name, f"segment {i} is marked last but more follows")
             if not inside:
                 lo, hi = max(skip, plain), min(end, plain + n)
@@ -182,20 +188,13 @@ class EncryptedBackend:
         first, last = start // SEGMENT, (start + length - 1) // SEGMENT
         if last - first > 1:
             return False
-        pieces = []
-        for i in range(first, last + 1):
-            opened = _SEGMENTS.peek(sealing, i)
-            if opened is None or (i < last and len(opened[0]) != SEGMENT):
-                return False
-            pieces.append(opened[0])
-        lo = start - first * SEGMENT
-        if lo + length > sum(len(p) for p in pieces):
+        opened = [_SEGMENTS.peek(sealing, i) for i in range(first, last + 1)]
+        if any(o is None for o in opened) or (len(opened) == 2 and len(opened[0][0]) != SEGMENT):
             return False
-        filled = 0
-        for p in pieces:
-            take = p[lo:lo + length - filled]
-            into[filled:filled + len(take)] = take
-            filled, lo = filled + len(take), 0
+        pieces, lo = _Pieces(o[0] for o in opened), start - first * SEGMENT
+        if lo + length > pieces.total:
+            return False
+        into[:length] = pieces.span(lo, lo + length)
         return True
 
     @staticmethod
@@ -248,8 +247,13 @@ class EncryptedBackend:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
             return b"" if buffer is None else buffer(1)[:0]
         first, last = start // SEGMENT, (start + length - 1) // SEGMENT
-        cstart = HEADER + first * (SEGMENT + TAG)
+        cstart = _segment_at(first)
         clen = (last - first + 1) * (SEGMENT + TAG)
+        sealing = self._salts.get(name)
+        if sealing is not None and length <= SEGMENT:
+            into = memoryview(bytearray(length)) if buffer is None else buffer(max(length, 1))[:length]
+            if self._cached_range(sealing, start, length, into):
+                return bytes(into) if buffer is None else into
         for attempt in range(2):
             sealing = self._salts.get(name) if attempt == 0 else None
             held: list[bytearray] = []
@@ -257,10 +261,6 @@ class EncryptedBackend:
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
                 held.append(_POOL.take(nbytes))
                 return memoryview(held[-1])
-            if sealing is not None and length <= SEGMENT:
-                into = memoryview(bytearray(length)) if buffer is None else buffer(max(length, 1))[:length]
-                if self._cached_range(sealing, start, length, into):
-                    return bytes(into) if buffer is None else into
             try:
                 if sealing is None and cstart <= _RANGE_FROM_ZERO:
                     sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
@@ -300,7 +300,7 @@ class EncryptedBackend:
         if plain_blob(staged.name):
             return self.inner.peek(staged, nbytes)
         segs = max(1, -(-nbytes // SEGMENT))
-        size, head = self.inner.peek(staged, HEADER + segs * (SEGMENT + TAG))
+        size, head = self.inner.peek(staged, _segment_at(segs))
         sealing = self._salt(staged.name, head)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
@@ -411,6 +411,10 @@ class SealedStream:
         self._aead.encrypt_into(_nonce(i, last), plain, self._aad, out[:n + TAG])
         return out[:n + TAG]
 
+    def _seal_one(self, i: int, plain, last: bool) -> None:
+        """Seal segment i alone and write it at its place."""
+        self._write(_segment_at(i), self._seal(i, plain, last, memoryview(bytearray(len(plain) + TAG))))
+
     def write_at(self, offset: int, parts: list) -> int:
         pieces = _Pieces(parts)
         total = pieces.total
@@ -425,7 +429,7 @@ class SealedStream:
                 for j, i in enumerate(range(whole_lo, whole_hi)):
                     plain = pieces.span(i * SEGMENT - offset, (i + 1) * SEGMENT - offset)
                     self._seal(i, plain, False, out[j * (SEGMENT + TAG):])
-                self._write(HEADER + whole_lo * (SEGMENT + TAG), out[:(whole_hi - whole_lo) * (SEGMENT + TAG)])
+                self._write(_segment_at(whole_lo), out[:(whole_hi - whole_lo) * (SEGMENT + TAG)])
             finally:
                 _POOL.give(buf)
         for i in sorted({offset // SEGMENT, (end - 1) // SEGMENT} - set(range(whole_lo, whole_hi))):
@@ -446,12 +450,12 @@ class SealedStream:
             if full:
                 del self._partial[i]
         if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
-            self._write(HEADER + i * (SEGMENT + TAG), self._seal(i, slot[0], False, memoryview(bytearray(SEGMENT + TAG))))
+            self._seal_one(i, slot[0], False)
 
     def writeback(self, offset: int, nbytes: int) -> None:
         first, stop = offset // SEGMENT, (offset + nbytes) // SEGMENT
         if stop > first:
-            self._inner.writeback(HEADER + first * (SEGMENT + TAG), (stop - first) * (SEGMENT + TAG))
+            self._inner.writeback(_segment_at(first), (stop - first) * (SEGMENT + TAG))
 
     def close(self, name: str, *, fsync: bool = True) -> Staged:
         """Seal and write the last segment, then end the inner stream (a staged blob for `name`)."""
@@ -464,7 +468,7 @@ class SealedStream:
             self._inner.discard()
             raise OSError(f"a sealed stream was closed with bytes of {len(pending) + (n > 0)} segment(s) never written")
         plain = memoryview(slot[0])[:n] if slot is not None else b""
-        self._write(HEADER + last * (SEGMENT + TAG), self._seal(last, plain, True, memoryview(bytearray(n + TAG))))
+        self._seal_one(last, plain, True)
         return self._inner.close(name, fsync=fsync)
 
     def discard(self) -> None:
