@@ -13,8 +13,8 @@ it cannot pass for a blob of another kind, and every entry read from it is check
 own key, so a pack moved to another pack's name fails on its first read. Either way a segment
 moved, reordered, dropped or cut off fails its check. A ranged read decrypts only the segments
 it covers; sizes (stat, list_sizes, peek) are the plaintext's, computed from the ciphertext's.
-The save and load pools seal and open in their workers; cryptography 50 holds the GIL through
-each AES-GCM call (later releases let it go: pyca/cryptography PR 15361), so the pass is serial.
+The save and load pools seal and open in their workers; cryptography lets go of the GIL in each
+AES-GCM call, so the pass runs beside hashing and compression on the other cores.
 """
 
 from __future__ import annotations
