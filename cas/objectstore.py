@@ -6,7 +6,7 @@ cas/session.py, which holds the write protocol).
 from __future__ import annotations
 
 import threading
-from typing import Callable, TypeVar
+from typing import Callable
 
 import numpy as np
 
@@ -24,7 +24,6 @@ from .session import LEASE_PREFIX, WriteSession, begin_lease, lease_name
 __all__ = ["DEFAULT_PACK_MAX", "LEASE_PREFIX", "MAX_CHAIN_DECODE", "ObjectStore", "WriteSession", "begin_lease",
            "lease_name"]
 
-T = TypeVar("T")
 DEFAULT_PACK_MAX = None  # None: every object goes into packs; N: encoded objects above N bytes get files
 RECHAIN_ATTEMPTS = 3  # decodes of an object along a chain looked up again because it moved meanwhile
 
