@@ -36,7 +36,10 @@ def _git(folder: str) -> dict | None:
     """{"commit", "dirty"} of the git work tree holding `folder`, or None outside one."""
     def run(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", folder, *args], capture_output=True, text=True, timeout=GIT_TIMEOUT)
+            # --no-optional-locks: `status` must not refresh and rewrite the user's index (a git
+            # killed at the timeout would leave .git/index.lock, and their next git command fails)
+            done = subprocess.run(["git", "--no-optional-locks", "-C", folder, *args], capture_output=True, text=True,
+                                  timeout=GIT_TIMEOUT)
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
