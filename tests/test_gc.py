@@ -51,6 +51,7 @@ def fill(store, n: int, milestones=(), metric=None) -> None:
         step = (i + 1) * 10
         store.save({"base": base, "own": torch.randn(64, 256), "step": step}, step=step,
                    milestone=step in milestones, metrics={"loss": metric(step)} if metric else None)
+    store.wait()  # the saves' background recodes settle, so objects' sizes read next stay put
 
 
 # --- rules --------------------------------------------------------------------------------
