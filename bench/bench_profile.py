@@ -22,7 +22,7 @@ is in the first figure only); nested stages are shown under their parent.
     .venv/bin/python bench/bench_profile.py --mib 1024 --reps 3
     .venv/bin/python bench/bench_profile.py --json out.json
     .venv/bin/python bench/bench_profile.py --codec          # per 4 MiB chunk: the codec's parts, one thread
-    .venv/bin/python bench/bench_profile.py --no-huge-pages  # loads without the huge-page hint, to compare
+    .venv/bin/python bench/bench_profile.py --mib 1024 --tensors 32 --fresh 5  # each load in a new process
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -280,6 +281,51 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+_FRESH_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[3])
+import torch, cas
+from bench_profile import cpu_now
+mode, where = sys.argv[1], sys.argv[2]
+start, cpu = time.perf_counter(), cpu_now()
+if mode == "torch":
+    torch.load(where, weights_only=True)
+else:
+    with cas.open(where) as store:
+        store.load(1)
+print(json.dumps([time.perf_counter() - start, cpu_now() - cpu]))
+"""
+
+
+def fresh_loads(state, scratch: str, rounds: int) -> dict:
+    """A resumed job's load: each in a new Python process (memory the process never touched,
+    the files in the page cache), interleaved torch.load / cas / cas compress=False; the load
+    call alone is timed (cas's open included, the imports not)."""
+    paths = {"torch": os.path.join(scratch, "fresh.pt"), "cas": os.path.join(scratch, "fresh-store"),
+             "cas raw": os.path.join(scratch, "fresh-store-raw")}
+    torch_save(state, paths["torch"])
+    cas_save(state, paths["cas"], compress=True)
+    cas_save(state, paths["cas raw"], compress=False)
+    here = os.path.dirname(os.path.abspath(__file__))
+    modes = tuple(paths)
+    runs: dict[str, list] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            out = subprocess.run([sys.executable, "-c", _FRESH_CHILD, mode, paths[mode], here],
+                                 capture_output=True, text=True, check=True)
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    ref = [w for w, _ in runs["torch"]]
+    print(f"\nresume loads, each in a new process ({rounds} rounds, interleaved); wall s min / median, "
+          f"ratio to torch.load by min (median); CPU s median")
+    result = {}
+    for mode in modes:
+        walls, cpus = [w for w, _ in runs[mode]], [c for _, c in runs[mode]]
+        result[mode] = {"wall": summary(walls), "cpu": summary(cpus)}
+        print(f"  {mode:<17s} {min(walls):.3f} / {statistics.median(walls):.3f}   {min(walls) / min(ref):.2f}x "
+              f"({statistics.median(walls) / statistics.median(ref):.2f}x)   CPU {statistics.median(cpus):.3f}")
+    return result
+
+
 def print_profile(prof: dict) -> None:
     for phase in ("save", "load"):
         p = prof[phase]
@@ -334,13 +380,10 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before each load")
     ap.add_argument("--codec", action="store_true", help="only the per-chunk codec figures")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--no-huge-pages", action="store_true",
-                    help="load into tensors without the huge-page hint (store/pages.py), to compare")
+    ap.add_argument("--fresh", type=int, default=0, metavar="N",
+                    help="also N rounds of resume loads, each in a new process (torch.load, cas, cas compress=False)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if args.no_huge_pages:
-        import cas.store.pages as pages
-        pages._madvise = None
     result: dict = {"args": vars(args), "cas": os.path.dirname(cas.__file__)}
     if args.codec:
         result["codec"] = codec_parts()
@@ -364,6 +407,8 @@ def main() -> None:
             if not args.no_profile:
                 result["profile"] = prof = profile(state, scratch)
                 print_profile(prof)
+            if args.fresh:
+                result["fresh"] = fresh_loads(state, scratch, args.fresh)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if args.json:

@@ -13,7 +13,6 @@ import torch
 
 from cas.errors import CorruptionError
 
-from .pages import advise_huge_pages
 from .values import numpy_dtype
 
 # Every dtype whose elements are plain bytes; quantized dtypes carry scales elsewhere and are refused.
@@ -112,7 +111,6 @@ def numpy_bytes(a: np.ndarray) -> np.ndarray:
 def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """A fresh CPU tensor and a writable uint8 view of its bytes."""
     t = torch.empty(shape, dtype=torch_dtype(dtype_name))
-    advise_huge_pages(t)
     return t, numpy_view(flat_bytes(t))
 
 
