@@ -228,7 +228,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
     """The StoreKeys the user key unlocks: KeyRequiredError without one, WrongKeyError when no
     keys/ blob of the store opens with it (a wrong key, or a removed one)."""
     if key is None:
-        raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...); for "
+        raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...), "
                                "or a file named by $CAS_KEY_FILE)")
     user = user_key(key)
     kind, secret = user

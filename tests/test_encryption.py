@@ -263,6 +263,27 @@ def test_the_cli_reads_the_key_file_and_manages_keys(tmp_path, cli):
     assert made.returncode == 2
 
 
+def test_a_key_file_exported_once_leaves_plain_stores_usable_from_the_cli(tmp_path, cli, monkeypatch):
+    """$CAS_KEY_FILE opens encrypted stores and is ignored by plain ones, in the CLI as in the
+    library; only a command that creates a store (import) creates it encrypted under it."""
+    key_file, plain, made = tmp_path / "k", tmp_path / "plain", tmp_path / "made"
+    key_file.write_text("the passphrase\n")
+    with cas.open(plain) as store:
+        store.save({"a": torch.ones(4)}, step=3)
+    for command in (["ls"], ["verify"], ["show", "3"], ["repair"]):
+        ran = cli("--store", plain, *command, key_file=key_file)
+        assert ran.returncode == 0, (command, ran.stderr)
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "w.pt")
+    assert cli("--store", plain, "import", "--step", 4, tmp_path / "w.pt", key_file=key_file).returncode == 0
+    assert not cas.open(plain).encrypted
+    assert cli("--store", made, "import", "--step", 4, tmp_path / "w.pt", key_file=key_file).returncode == 0
+    monkeypatch.delenv("CAS_KEY_FILE")
+    with pytest.raises(KeyRequiredError):
+        cas.open(made)
+    with cas.open(made, key="the passphrase") as store:
+        assert store.encrypted and torch.equal(store.load()["w"], torch.arange(6.0))
+
+
 def test_a_flipped_byte_is_a_corruption_error_naming_the_object(tmp_path, cli):
     path = tmp_path / "s"
     with cas.open(path, key="k", chunk_size=64 << 10, pack_max=1024) as store:

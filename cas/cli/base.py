@@ -83,13 +83,23 @@ def _finite(value):
     return value
 
 
-def cli_key():
-    """The key of an encrypted store, from the file $CAS_KEY_FILE names (None when unset):
-    32 raw bytes, or a passphrase with one trailing newline stripped. Given explicitly, so a
-    command that creates a store (import) creates it encrypted under that key."""
+def cli_key(fn, path: str):
+    """The key to open `path` with for command `fn`: the one in the file $CAS_KEY_FILE names,
+    given explicitly only when the command is about to create the store (import), so the new
+    store is encrypted under it. Otherwise None: the library itself reads $CAS_KEY_FILE for an
+    encrypted store and ignores it for a plain one, so a key file exported once does not lock
+    the CLI out of plain stores."""
     from cas.keys import key_from_env
 
-    return key_from_env()
+    if not fn.cli_creates_store:
+        return None
+    from cas.store.location import locate
+
+    try:
+        exists = locate(path).has_config()
+    except Exception:  # noqa: BLE001 - undecided: the open below reports what is wrong
+        exists = False
+    return None if exists else key_from_env()
 
 
 def run_on_store(fn, store_cls, path: str, args) -> int:
@@ -97,7 +107,7 @@ def run_on_store(fn, store_cls, path: str, args) -> int:
     and fails leaves no store behind that it created: bad input changes nothing."""
     existed = os.path.lexists(path)
     code, created = EXIT_USAGE, False
-    key = cli_key()
+    key = cli_key(fn, path)
     try:
         with store_cls(path, create=fn.cli_creates_store, readonly=fn.cli_read_only, key=key) as store:
             created = store.created  # by this open, under the creation lock: not another process's

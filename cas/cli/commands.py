@@ -11,7 +11,7 @@ import sys
 from cas.errors import CasError
 from cas.progress import progress_for
 
-from .base import EXIT_OK, EXIT_PROBLEM, cli_key, command, emit_json, human, parse_step, print_checkpoint, usage_error
+from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, usage_error
 from .values import show_values
 
 
@@ -285,9 +285,9 @@ def cmd_gc(store, args) -> int:
 def cmd_repair(path: str, args) -> int:
     from cas.store.repair import repair
 
-    key = cli_key()
-    _quarantine(path, key)  # first: the rebuild indexes every file whose header parses, damaged payload or not
-    report = repair(path, key)
+    # (no key= given: an encrypted store is opened with $CAS_KEY_FILE's key, a plain one ignores it)
+    _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
+    report = repair(path)
     if report.moved_aside:
         print(f"the damaged index was moved to {report.moved_aside}")
     for item in report.skipped:
@@ -298,13 +298,13 @@ def cmd_repair(path: str, args) -> int:
     return EXIT_OK
 
 
-def _quarantine(path: str, key=None) -> None:
+def _quarantine(path: str) -> None:
     """Move the objects verify or a load found damaged to quarantine/ and report them; an index
     that does not open is the rebuild's to handle (its damage records go with it)."""
     from cas.store.quarantine import quarantine_damaged
 
     try:
-        report = quarantine_damaged(path, key)
+        report = quarantine_damaged(path)
     except (CasError, OSError) as exc:
         print(f"skipped the quarantine of damaged objects: {exc}")
         return
