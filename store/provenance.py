@@ -32,8 +32,9 @@ def _static() -> dict:
             "git": _git(os.getcwd()), "argv": [str(a) for a in sys.argv]}
 
 
-def _git(folder: str) -> dict | None:
-    """{"commit", "dirty"} of the git work tree holding `folder`, or None outside one."""
+def _git(folder: str) -> dict:
+    """{"commit", "dirty"} of the git work tree holding `folder`; both None outside one (or
+    without git), so `provenance["git"]["commit"]` reads the same way everywhere."""
     def run(*args: str) -> str | None:
         try:
             # --no-optional-locks: `status` must not refresh and rewrite the user's index (a git
@@ -45,7 +46,7 @@ def _git(folder: str) -> dict | None:
         return done.stdout.strip() if done.returncode == 0 else None
     commit = run("rev-parse", "HEAD")
     if not commit:
-        return None
+        return {"commit": None, "dirty": None}
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 

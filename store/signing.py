@@ -98,6 +98,9 @@ def _read(key, what: str) -> bytes:
         if os.path.isfile(key):
             with open(key, "rb") as f:
                 return f.read()
+        text = isinstance(key, str) and key.lstrip().startswith(("-----", "ssh-"))  # PEM or OpenSSH text
+        if not text and (not isinstance(key, str) or "/" in key or key.startswith("~")):
+            raise CasError(f"the {what} file {os.fspath(key)} does not exist (or is not a file)")
         if isinstance(key, str):
             return key.encode()
     raise CasError(f"the {what} must be bytes, a path or a cryptography ed25519 key, not {type(key).__name__}")

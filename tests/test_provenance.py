@@ -70,6 +70,14 @@ def test_provenance_names_the_git_commit_and_whether_the_tree_is_dirty(tmp_path)
         first, second = store.get(1).provenance, store.get(2).provenance
     assert first["git"] == {"commit": commit, "dirty": False} and first["argv"][-2:] == ["--lr", "3"]
     assert second["git"] == {"commit": commit, "dirty": True}
+    outside = tmp_path / "not-a-repo"  # (pytest's tmp folders lie in no git work tree)
+    outside.mkdir()
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "s"), "3"], cwd=outside, check=True)
+    with cas.open(tmp_path / "s") as store:
+        assert store.get(3).provenance["git"] == {"commit": None, "dirty": None}  # the same shape everywhere
+    shown = subprocess.run([sys.executable, "-m", "cas", "--store", str(tmp_path / "s"), "show", "3"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "provenance" in shown.stdout, shown.stderr
 
 
 def test_provenance_never_writes_the_users_git_index(tmp_path):
@@ -125,6 +133,7 @@ def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_pa
     bad = cli("verify", "--signatures", pub, path=tmp_path / "s")
     assert bad.returncode == 1 and "SIGNATURE: checkpoint 1" in bad.stdout and "checkpoint 3" in bad.stdout
     assert "checkpoint 2" not in bad.stdout
+    assert "\nUNSIGNED: " in bad.stdout and "\nok" not in bad.stdout  # the summary line does not read as a pass
 
 
 def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):
@@ -138,6 +147,10 @@ def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):
     garbage.write_bytes(b"not a key at all")
     out = cli("verify", "--signatures", str(garbage), path=tmp_path / "s")
     assert out.returncode == 2 and "public key" in out.stderr and "Traceback" not in out.stderr
+    missing = cli("verify", "--signatures", str(tmp_path / "nope.pub"), path=tmp_path / "s")
+    assert missing.returncode == 2 and "nope.pub does not exist" in missing.stderr
+    with pytest.raises(cas.CasError, match="signing key file .*missing.pem does not exist"):
+        cas.open(tmp_path / "s", signing_key=tmp_path / "missing.pem")
 
 
 def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):

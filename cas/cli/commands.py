@@ -127,8 +127,8 @@ def _provenance_line(prov: dict) -> str:
     parts = [f"cas {prov.get('cas')}", f"torch {prov.get('torch')}", f"python {prov.get('python')}",
              f"numpy {prov.get('numpy')}", f"host {prov.get('host')}", f"pid {prov.get('pid')}",
              f"world_size {prov.get('world_size')}", f"devices {','.join(map(str, prov.get('devices') or []))}"]
-    if git:
-        parts.append(f"git {git.get('commit', '')[:12]}{' (dirty)' if git.get('dirty') else ''}")
+    if git.get("commit"):
+        parts.append(f"git {git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}")
     parts.append("argv " + " ".join(map(str, prov.get("argv") or [])))
     return "  ".join(parts)
 
@@ -161,7 +161,8 @@ def cmd_verify(store, args) -> int:
         print("signatures ok: every checkpoint checked is signed by that key")
     for p in report.problems:
         print(f"PROBLEM: {p}")
-    print(f"{'ok' if report.ok else 'DAMAGED'}{' (quick)' if report.quick else ''}: "
+    verdict = "DAMAGED" if not report.ok else "UNSIGNED" if unsigned else "ok"  # never "ok" on exit 1
+    print(f"{verdict}{' (quick)' if report.quick else ''}: "
           f"{len(report.checked_checkpoints)} checkpoints, {len(report.whole_steps)} whole, "
           f"{len(report.damaged_steps)} damaged {report.damaged_steps or ''}".rstrip())
     roles = _roles(report.checked_chunks, report.checked_nodes, report.checked_bases)
