@@ -31,6 +31,7 @@ class SaveRecord:
     metrics: dict
     meta: dict
     logical_bytes: int  # tensor bytes it holds
+    produced_by: dict = dataclasses.field(default_factory=dict)  # the registry's provenance only (a DCP save's sharding)
 
     def node(self, tree: Ref) -> bytes:
         return commit_node(step=self.step, created=self.created, milestone=self.milestone, metrics=self.metrics,
@@ -61,7 +62,7 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
             if old.pinned:
                 raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
             changes.append(remove_change(old))
-        ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes), provenance=provenance.collect())
+        ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes), provenance={**provenance.collect(), **record.produced_by})
         change = add_change(ck, session.packs_written())
         if store.signing_key is not None:
             change["signature"] = signing.sign(change, store.signing_key)

@@ -144,7 +144,7 @@ def scenario_save(store: str, out: str, rank: int, world: int, res: Report) -> N
     train(model, opt, 2, seed=1)
     write_reference(model, opt, rank, out, "ref1")
     res["saved"] = {"1": saved(cdcp.save(dcp_state(model, opt, EXTRA), store, 1, chunk_size=CHUNK))}
-    res["saved"] = dict(res["saved"], **{"2": saved(cdcp.save(dcp_state(model, opt, EXTRA), store, 2))})
+    res["saved"] = dict(res["saved"], **{"2": saved(cdcp.save(dcp_state(model, opt, EXTRA), store, 2, meta={"dcp": "the user's own"}))})
 
     train(model, opt, 1, seed=2)
     write_reference(model, opt, rank, out, "ref3")

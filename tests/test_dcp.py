@@ -184,8 +184,9 @@ def test_every_rank_sees_the_same_commits_and_the_world_size_is_recorded(saved):
         cks = {ck.step: ck for ck in store.checkpoints()}
     assert {1, 2, 3, 4} <= set(cks)
     assert cks[1].id == ids["1"].pop()
-    meta = cks[1].meta["dcp"]
-    assert meta["world_size"] == 2
+    meta = cks[1].provenance["dcp"]  # meta= stays the user's own: a "dcp" key of theirs is kept as given
+    assert cks[1].meta == {} and cks[2].meta == {"dcp": "the user's own"}
+    assert meta["world_size"] == 2 == cks[1].provenance["world_size"]
     assert meta["sharding"]["model.0.weight"] == "dim0/2"
     assert meta["sharding"]["optim.state.0.weight.exp_avg"] == "dim0/2"
     assert meta["sharding"]["optim.state.0.weight.step"] == "whole"
@@ -245,7 +246,8 @@ def test_a_save_after_resharding_dedups_against_the_two_rank_save(resharded):
     assert step10["new"] < 0.25 * step10["logical"], step10
     with cas.open(resharded.store, readonly=True) as store:
         ck = store.get(10)
-        assert ck.meta["dcp"]["world_size"] == 3 and ck.meta["dcp"]["sharding"]["model.0.weight"] == "dim0/3"
+        assert ck.provenance["dcp"]["world_size"] == 3
+        assert ck.provenance["dcp"]["sharding"]["model.0.weight"] == "dim0/3"
         shards = [t for t in store.tensors(10) if t["path"].startswith("tensors.model.0.weight.")]
         before = {k for t in store.tensors(1) for k in t["chunks"]}
     assert [t["shape"] for t in shards] == [[342, 256], [342, 256], [340, 256]]
@@ -272,7 +274,9 @@ def test_store_tensors_verify_and_load_work_on_dcp_checkpoints(saved):
 def test_cli_show_verify_and_gc_over_dcp_checkpoints(resharded, tmp_path):
     path = copy_store(resharded, tmp_path / "store")
     shown = cli_json(path, "show", "1")
-    assert shown["checkpoint"]["meta"]["dcp"]["world_size"] == 2
+    assert shown["checkpoint"]["provenance"]["dcp"]["world_size"] == 2
+    text = cli(path, "show", "1").stdout
+    assert 'dcp 2 ranks, sharding {"model.0.weight": "dim0/2"' in text, text
     assert len(shown["tensors"]) == len(cli_json(path, "show", "2")["tensors"])
     verified = cli(path, "verify")
     assert verified.returncode == 0 and verified.stdout.startswith("ok"), verified.stdout + verified.stderr

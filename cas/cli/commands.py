@@ -6,6 +6,7 @@ Each registers with base.command; the interop commands (export, import, diff) ar
 
 from __future__ import annotations
 
+import json
 import sys
 
 from cas.errors import CasError
@@ -111,6 +112,9 @@ def cmd_show(store, args) -> int:
     print_checkpoint(ck)
     if ck.provenance:
         print("provenance " + _provenance_line(ck.provenance))
+        if isinstance(ck.provenance.get("dcp"), dict):
+            dcp = ck.provenance["dcp"]
+            print(f"dcp {dcp.get('world_size')} ranks, sharding " + json.dumps(dcp.get("sharding"), default=str))
     if ck.signature:
         print(f"signed by ed25519 key {bytes(ck.signature.get('public_key', b'')).hex()}")
     against = f"not in step {prev.step}" if prev else "first checkpoint"

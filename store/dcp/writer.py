@@ -182,9 +182,7 @@ class CasWriter(StorageWriter):
         self.step = step
         self.milestone = bool(milestone)
         self.metrics = checked_metrics(metrics)
-        self.meta = checked_meta(meta)
-        if "dcp" in self.meta:
-            raise CasError('meta key "dcp" is reserved for the world size and sharding of a DCP save')
+        self.meta = checked_meta(meta)  # the user's own; the sharding goes into the provenance
         self.workers = self.options.worker_count(cap=8)
         self.delta = self.options.delta == "forward"  # ranks code against their previous save (store/dcp/bases.py)
         self.recode = self.options.delta is True  # ranks write whole; the coordinator recodes the previous save
@@ -366,8 +364,8 @@ class CasWriter(StorageWriter):
             segments.adopt_segments(session, manifest.chunk_keys, results)
         else:
             _adopt_chunks(session, manifest)
-        meta = {**self.meta, "dcp": {"world_size": len(results), "sharding": manifest.sharding}}
-        record = SaveRecord(self.step, pending.created, self.milestone, self.metrics, meta, manifest.logical_bytes)
+        record = SaveRecord(self.step, pending.created, self.milestone, self.metrics, self.meta, manifest.logical_bytes,
+                            produced_by={"dcp": {"world_size": len(results), "sharding": manifest.sharding}})
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cas-dcp") as pool:
             return commit_save(store, session, record, manifest.tree, manifest.nodes.blobs, pool, "dcp.nodes_written",
                                replacing=self.overwrite)
