@@ -84,30 +84,40 @@ def key_from_env() -> str | bytes | None:
     return read_key_file(path) if path else None
 
 
+class KeyText(str):
+    """A key file's exactly 32 printable bytes: a passphrase where one is created from it, and
+    also those 32 bytes as a raw key, so a store made with cas.open(key=b"<the same 32 bytes>")
+    opens from the file too (each key blob says which kind it wraps: unlock)."""
+
+
 def read_key_file(path: str) -> str | bytes:
     """The key a file holds: exactly 32 bytes that are not one line of text are a raw key;
-    anything else is a passphrase (UTF-8, one trailing newline stripped)."""
+    32 printable ones (a trailing newline aside) are either (KeyText); anything else is a
+    passphrase (UTF-8, one trailing newline stripped)."""
     try:
         with open(os.path.expanduser(path), "rb") as f:
             data = f.read(1 << 16)
     except OSError as exc:
         raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
-    if len(data) == KEY_SIZE:
-        try:
-            text = data.decode("utf-8")
-            if text.isprintable():
-                return text
-        except UnicodeDecodeError:
-            pass
+    if len(data) == KEY_SIZE and not _printable(data):
         return data
     if data.endswith(b"\r\n"):
         data = data[:-2]
     elif data.endswith(b"\n"):
         data = data[:-1]
+    if len(data) == KEY_SIZE and _printable(data):
+        return KeyText(data.decode("utf-8"))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise CasError(f"the key file {path} is neither {KEY_SIZE} raw bytes nor a UTF-8 passphrase") from None
+
+
+def _printable(data: bytes) -> bool:
+    try:
+        return data.decode("utf-8").isprintable()
+    except UnicodeDecodeError:
+        return False
 
 
 @dataclass(frozen=True, repr=False)
@@ -230,8 +240,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
     if key is None:
         raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...), "
                                "or a file named by $CAS_KEY_FILE)")
-    user = user_key(key)
-    kind, secret = user
+    as_given = user_key(key)
     check = bytes(encryption["check"])
     ids = key_ids(backend)
     if not ids:
@@ -242,7 +251,12 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
             body = _parse_key(backend.get(KEYS_PREFIX + key_id))
         except CorruptionError:  # removed meanwhile, unreadable: another key may open it
             continue
-        if body is None or (body.get("kdf") == "raw") != (kind == "raw"):
+        if body is None:
+            continue
+        wants_raw = body.get("kdf") == "raw"
+        user = ("raw", key.encode("utf-8")) if wants_raw and isinstance(key, KeyText) else as_given
+        kind, secret = user
+        if wants_raw != (kind == "raw"):
             continue
         try:
             params = (body["kdf"], bytes(body.get("salt", b"")), body.get("n"), body.get("r"), body.get("p"))

@@ -17,6 +17,7 @@ from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fix
 
 import cas
 from cas import crypt
+from cas.keys import read_key_file
 from cas.localfs import MAP_FROM
 from cas.errors import (CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, NotEncryptedError,
                         WrongKeyError)
@@ -179,6 +180,35 @@ def test_the_library_opens_with_the_key_file_named_by_the_environment(tmp_path, 
     monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "absent"))
     with pytest.raises(KeyRequiredError, match="absent"):
         cas.open(tmp_path / "s")
+
+
+def test_a_key_file_of_32_printable_bytes_opens_a_store_made_with_them_as_a_passphrase_or_raw(tmp_path, monkeypatch):
+    """cas.open(key=) tells a passphrase (str) from a raw key (bytes) by type; a file cannot, so
+    32 printable bytes in it (a hex token, say) open the store whichever of the two made it,
+    with or without a trailing newline. A new store made from such a file takes a passphrase."""
+    text = "0123456789abcdef0123456789abcdef"
+    with cas.open(tmp_path / "raw", key=text.encode()) as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    with cas.open(tmp_path / "phrase", key=text) as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    key_file = tmp_path / "key"
+    monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+    for content in (text, text + "\n"):
+        key_file.write_text(content)
+        for name in ("raw", "phrase"):
+            with cas.open(tmp_path / name) as store:
+                assert torch.equal(store.load(1)["a"], torch.ones(3))
+    key_file.write_text(text[:-1] + "0")
+    with pytest.raises(WrongKeyError):
+        cas.open(tmp_path / "raw")
+    made = tmp_path / "made"
+    key_file.write_text(text)
+    with cas.open(made, key=read_key_file(str(key_file))) as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    with cas.open(made, key=text) as store:
+        assert torch.equal(store.load(1)["a"], torch.ones(3))
+    with pytest.raises(WrongKeyError):
+        cas.open(made, key=text.encode())
 
 
 def test_keys_added_and_removed_without_rewriting_data(tmp_path):
