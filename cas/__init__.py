@@ -16,9 +16,10 @@ import importlib
 import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
-                     FormatVersionError, MissingObjectError, NotAStoreError, ReadOnlyStoreError,
-                     RetentionRefusedError, StateMismatchError, StoreClosedError, StoreWriteError,
-                     UnresumableStateError, UnsupportedFilesystemError)
+                     DistributedCheckpointError, FormatVersionError, KeyRemovalRefusedError, KeyRequiredError,
+                     MissingObjectError, NotAStoreError, NotEncryptedError, ObjectStoreError, ReadOnlyStoreError,
+                     RetentionRefusedError, StateMismatchError, StoreClosedError, StoreKeyError, StoreWriteError,
+                     UnresumableStateError, UnsupportedFilesystemError, WrongKeyError)
 
 __version__ = "0.1.0"
 
@@ -70,4 +71,5 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader", "StoreOptions", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
-           "UnresumableStateError", "UnsupportedFilesystemError", "open"]
+           "UnresumableStateError", "UnsupportedFilesystemError", "DistributedCheckpointError", "ObjectStoreError",
+           "StoreKeyError", "KeyRequiredError", "WrongKeyError", "NotEncryptedError", "KeyRemovalRefusedError", "open"]
