@@ -600,7 +600,7 @@ class CheckpointStore:
             chosen = set(choose(cks))
             gone = [ck for ck in cks if ck.step in chosen and not ck.pinned]
             if gone:
-                self.registry.commit(txn, "gc", [remove_change(ck) for ck in gone])
+                self.registry.commit(txn, "retention", [remove_change(ck) for ck in gone])
                 self.index.bump_generation(txn)
         return gone
 
