@@ -15,7 +15,7 @@ from .errors import CasError
 from .gc import GcReport, Marker, Retention, collect
 from .gc.collect import compact_packs
 from .progress import ProgressCallback
-from .store import Checkpoint, interop
+from .store import Checkpoint, compare, interop
 from .store import CheckpointStore
 from .store.mirror import CLOSE_TIMEOUT, Mirror, MirrorStatus
 from .store.opening import open_or_create, open_other
@@ -156,16 +156,16 @@ class Store(CheckpointStore):
         finally:
             self._retention_paused -= 1
 
-    def diff(self, a: int, b: int, *, progress: ProgressCallback | None = None) -> interop.DiffReport:
+    def diff(self, a: int, b: int, *, progress: ProgressCallback | None = None) -> compare.DiffReport:
         """Per tensor path, what changed from checkpoint `a` to `b`, and the stored bytes they share."""
         self._check_open()
-        return interop.diff(self, a, b, Marker, progress=progress)
+        return compare.diff(self, a, b, Marker, progress=progress)
 
     def exclusive_bytes(self, checkpoints: list[Checkpoint] | None = None, *,
                         progress: ProgressCallback | None = None) -> dict[int, int]:
         """Per step, the stored bytes only that checkpoint references: what deleting it would free."""
         self._check_open()
-        return interop.exclusive_bytes(self, Marker, checkpoints, progress=progress)
+        return compare.exclusive_bytes(self, Marker, checkpoints, progress=progress)
 
     def after_recode(self, packs: set[bytes]) -> None:
         """Give back the space of the full copies a recode superseded: the packs it left dead

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 import cas
 from cas.errors import CasError
 from cas.gc import Marker
-from cas.store.interop import ImportRefusedError, max_abs_diff, safetensors_dtypes, step_from_name
+from cas.store.compare import max_abs_diff
+from cas.store.interop import ImportRefusedError, safetensors_dtypes, step_from_name
 from helpers import assert_same
 
 CAS = [sys.executable, "-m", "cas.cli"]
