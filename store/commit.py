@@ -62,7 +62,8 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
             if old.pinned:
                 raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
             changes.append(remove_change(old))
-        ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes), provenance={**provenance.collect(), **record.produced_by})
+        ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes),
+                                 provenance={**provenance.collect(), **record.produced_by})
         change = add_change(ck, session.packs_written())
         if store.signing_key is not None:
             change["signature"] = signing.sign(change, store.signing_key)
