@@ -338,18 +338,18 @@ class WriteSession:
             return None
         return dataclasses.replace(rec, depth=min(base_rec.depth + 1, 255))
 
-    def _recode_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord) -> bool:
-        if current is None or current.base is not None or current.raw_size != rec.raw_size:
+    def _recode_stands(self, txn, key: bytes, current: ObjectRecord | None, rec: ObjectRecord,
+                       chosen: dict[bytes, ObjectRecord], bases: set[bytes]) -> bool:
+        """Whether a recoded object (write_recoded) takes its delta record: it is still a full
+        object of that size, its base is a full object and it is the base of no delta, both as
+        this commit leaves them (`chosen`: the records it indexes so far; `bases`: their delta
+        bases). Judged against the index alone, two chunks that swapped places between two saves
+        would each become the other's delta (a loop), and a chunk recoded onto one this commit
+        also recodes would sit deeper than its record says."""
+        if current is None or current.base is not None or current.raw_size != rec.raw_size or key in bases:
             return False
-        base = rec.base
-        for _ in range(MAX_CHAIN_DECODE + 1):
-            base_rec = self.index.record(txn, base)
-            if base == key or base_rec is None:
-                return False
-            if base_rec.base is None:
-                return True
-            base = base_rec.base
-        return False
+        base_rec = chosen.get(rec.base) or self.index.record(txn, rec.base)
+        return rec.base != key and base_rec is not None and base_rec.base is None
 
     def write_encoded(self, key: bytes, blob: bytes, rec: ObjectRecord, *, pack_only: bool = False) -> None:
         """Store an already encoded object again (gc's repacking moves live objects this way):
@@ -476,8 +476,8 @@ class WriteSession:
                 self._written.setdefault(e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset,
                                                              e.base, base.depth + 1 if base else 0))
 
-    def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None,
-                replacing: bool) -> ObjectRecord | None:
+    def _settle(self, txn, key: bytes, rec: ObjectRecord, current: ObjectRecord | None, replacing: bool,
+                chosen: dict[bytes, ObjectRecord], bases: set[bytes]) -> ObjectRecord | None:
         """The record to index for an object this session wrote (inside the commit transaction,
         `current` being the index's), or None to keep the index's as it is. An indexed object
         the store holds as its record says stays, file or pack entry: another writer's, which
@@ -489,7 +489,7 @@ class WriteSession:
         object that is recorded as damaged (or stands on a damaged base) does not stay: this
         session's copy takes its place and the damage record goes (decided here, inside the
         transaction: another writer may have replaced it already)."""
-        if key in self._recoded and not self._recode_stands(txn, key, current, rec):
+        if key in self._recoded and not self._recode_stands(txn, key, current, rec, chosen, bases):
             return None
         if key in self._moves and key not in self._recoded and current is not None:
             if current.base != rec.base:  # a recode re-encoded it since this copy was read:
@@ -556,17 +556,21 @@ class WriteSession:
         replacements = {FileObjects.key_of(staged): staged for staged in taken}
         with self.index.write() as txn:
             settled = []
+            by_key: dict[bytes, ObjectRecord] = {}  # what this commit indexes, as it goes
+            bases: set[bytes] = set()  # the delta bases of those
             for key, rec in self._written.items():
                 if key in self._relinked:
                     continue  # after the rest: its base may be recoded by this commit
                 current = self.index.record(txn, key)
-                chosen = self._settle(txn, key, rec, current, key in replacements)
+                chosen = self._settle(txn, key, rec, current, key in replacements, by_key, bases)
                 if chosen is not None:
                     if key in self._stale or current is None:
                         self.new_bytes += chosen.stored_size
                     settled.append((key, chosen))
+                    by_key[key] = chosen
+                    if chosen.base is not None:
+                        bases.add(chosen.base)
             if self._relinked:
-                by_key = dict(settled)
                 for key, rec in self._written.items():
                     if key in self._relinked:
                         chosen = self._relink_stands(txn, key, self.index.record(txn, key), rec, by_key)

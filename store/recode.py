@@ -60,8 +60,11 @@ class Pair:
 def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_chain: int) -> list[Pair]:
     """The pairs worth recoding from the previous save to the current one, and each current
     position's tail (what is known before the recode: an unchanged chunk keeps its chain, a
-    changed one starts with none until its recode stands)."""
+    changed one starts with none until its recode stands). An older chunk that the current
+    save holds too, elsewhere (content that moved between tensors, or came back), is left as
+    it is: the newest checkpoint stays whole."""
     pairs: list[Pair] = []
+    newest = {key for cur in current.values() for key in cur.keys}
     for path, cur in current.items():
         cur.tails = [[] for _ in cur.keys]
         prev = previous.get(path)
@@ -72,6 +75,8 @@ def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_
             tail = prev.tails[i] if prev.tails is not None else None
             if x == y:
                 cur.tails[i] = list(tail or [])
+                continue
+            if x in newest:
                 continue
             start, end = spans[i]
             # unknown chain, or a full one: the older chunk stays whole (a keyframe)
