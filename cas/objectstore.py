@@ -64,6 +64,10 @@ class ObjectStore:
         self.on_missing_pack: Callable[[], None] | None = None
         self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
         self.sessions_lock = threading.Lock()
+        # lease files of this object's own sessions: their holds go to this very index, but a
+        # session takes its file just before its index lease and drops it just after, and gc
+        # must not take either moment for a writer whose holds it cannot see (gc/collect.py)
+        self.own_lease_files: set[str] = set()
 
     def record(self, key: bytes) -> ObjectRecord | None:
         with self.index.read() as txn:

@@ -89,8 +89,14 @@ class WriteSession:
         self._open = True
         # The lease file first (its lock is what proves this writer alive to gc, in any PID
         # namespace), then the index's lease that holds are recorded under; ended in reverse.
-        self._lease_file = begin_lease(store.backend, self.lease, purpose)
+        store.own_lease_files.add(lease_name(self.lease))
         try:
+            self._lease_file = begin_lease(store.backend, self.lease, purpose)
+        except BaseException:
+            store.own_lease_files.discard(lease_name(self.lease))
+            raise
+        try:
+            faults.point("session.lease_file_taken")
             with self.index.write() as txn:
                 self.index.new_lease(txn, self.lease, purpose, file=self._lease_file is not None)
         except BaseException:
@@ -612,6 +618,7 @@ class WriteSession:
     def _release_lease_file(self) -> None:
         if self._lease_file is not None:
             self._lease_file.release()
+        self.store.own_lease_files.discard(lease_name(self.lease))
 
     def _check_open(self) -> None:
         if not self._open:

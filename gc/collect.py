@@ -427,11 +427,13 @@ def _why_wait(store, txn) -> str | None:
 
 
 def unknown_writer(store, txn) -> str | None:
-    """A live lease file whose lease this cache does not hold, if any."""
+    """A live lease file whose lease this cache does not hold, if any. This store's own sessions
+    are never one: between their file and their index lease they hold nothing (a race that made
+    the retention sweep after a save give up while that save's recode began)."""
     backend = store.objects.backend
     if backend is None:
         return None
-    known = {lease_name(lid) for lid in store.index.leases(txn)}
+    known = {lease_name(lid) for lid in store.index.leases(txn)} | set(store.objects.own_lease_files)
     for name in backend.list(LEASE_PREFIX):
         if name not in known and backend.lease_alive(name):
             return name
