@@ -87,6 +87,7 @@ class CheckpointStore:
         if not where.local:
             self.objects.on_missing_pack = self.ensure_cache
         try:
+            faults.point("store.cache_opened")
             self._check_cache()
         except BaseException:
             self._close_cache()
@@ -127,24 +128,40 @@ class CheckpointStore:
         legacy = self.config.format == 1 and self.readonly  # read as format 1 wrote it, no log
         self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild,
                                  sealer=self.location.keys)
-        if legacy or not self.readonly or self._private_cache is not None or not self.location.local:
-            return
-        with self.index.read() as txn:
-            report.reason = cache.why_stale(self, txn)
-        if report.reason is not None:
-            self.index.close()
-            self.index, self._private_cache = cache.private_index()
-            self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
 
     def _check_cache(self) -> None:
         """Make the cache provably current: upgrade a format-1 store, or rebuild a cache that
-        does not match the store's objects and record log."""
+        does not match the store's objects and record log. A read-only open reads the shared
+        cache as its writers keep it, or else a private one it rebuilds (it writes nothing)."""
         if self.registry.log is None:
             return
         if self.config.format == 1:
             cache.migrate_v1(self, self.cache_report)
-        else:
-            cache.ensure_current(self, self.cache_report)
+            return
+        if self.readonly and self.location.local and self._private_cache is None:
+            reason = self._shared_cache_lag()
+            if reason is not None:
+                self.cache_report.reason = reason
+                self.index.close()
+                self.index, self._private_cache = cache.private_index()
+                self.objects.index = self.index
+                self.registry = Registry(self.index, self.path, self.records, self._rebuild,
+                                         sealer=self.location.keys)
+        cache.ensure_current(self, self.cache_report)
+
+    def _shared_cache_lag(self, wait: float = 2.0) -> str | None:
+        """Why the shared cache is behind the store, or None when it is current. A writer appends
+        its log entry just before its index transaction commits, so a cache behind by a commit
+        in flight is given `wait` seconds to catch up (a read-only open found it current, then
+        failed to write it: the audit of stop 29); one still behind then (a writer killed in
+        between, an index lost) is for a private cache to replace."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self.index.read() as txn:
+                reason = cache.why_stale(self, txn)
+            if reason is None or time.monotonic() >= deadline:
+                return reason
+            time.sleep(0.01)
 
     def _rebuild(self, txn) -> None:
         cache.refresh(self, txn, self.cache_report)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from test_gc import assert_exactly_reachable
 from workers import state_of
 
 import cas
+from cas import faults
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
 
@@ -54,6 +57,54 @@ def test_a_reader_loads_whole_checkpoints_while_a_writer_commits(tmp_path):
     finish(writer)
     loads = int(finish(reader))
     assert loads > 5
+
+
+def test_a_read_only_open_racing_a_commit_reads_and_writes_nothing(tmp_path):
+    """A read-only open found the shared index current, then a writer appended its log entry
+    (its index transaction still open), and the open's second look tried to bring the index up
+    to date itself: ReadOnlyStoreError (a pull from a store being saved to failed so too). Now it
+    gives the commit a moment, then reads from a private cache: it sees both checkpoints."""
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.save({"t1": torch.ones(4)}, step=1)
+    reader_gate, writer_gate = tmp_path / "reader", tmp_path / "writer"
+    faults.configure(f"store.cache_opened=pause:{reader_gate}@1")
+    opened: list = []
+    reader = threading.Thread(target=lambda: opened.append(_open_or_error(path)))
+    writer = None
+    try:
+        reader.start()
+        _wait_for(f"{reader_gate}.reached")
+        writer = spawn("save", path, 2, "7+8", env=dict(os.environ, CAS_FAULTS=f"registry.logged=pause:{writer_gate}"))
+        _wait_for(f"{writer_gate}.reached")
+        reader_gate.touch()
+        reader.join(timeout=60)
+    finally:
+        reader_gate.touch()
+        writer_gate.touch()
+        faults.configure("")
+        if writer is not None:
+            finish(writer)
+    store = opened[0]
+    assert not isinstance(store, Exception), store
+    with store:
+        assert [ck.step for ck in store.checkpoints()] == [1, 2]
+        loaded = store.load(2)
+    assert loaded.keys() == {"t7", "t8"} and all(torch.equal(loaded[k], v) for k, v in state_of([7, 8]).items())
+
+
+def _open_or_error(path):
+    try:
+        return cas.open(path, readonly=True)
+    except Exception as exc:  # noqa: BLE001 - handed to the test thread
+        return exc
+
+
+def _wait_for(marker: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, f"{marker} never appeared"
+        time.sleep(0.01)
 
 
 def test_a_store_on_a_read_only_filesystem_is_opened_read_only_for_loading(tmp_path):
