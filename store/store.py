@@ -140,13 +140,13 @@ class CheckpointStore:
             return
         if self.readonly and self.location.local and self._private_cache is None:
             reason = self._shared_cache_lag()
-            if reason is not None:
-                self.cache_report.reason = reason
-                self.index.close()
-                self.index, self._private_cache = cache.private_index()
-                self.objects.index = self.index
-                self.registry = Registry(self.index, self.path, self.records, self._rebuild,
-                                         sealer=self.location.keys)
+            if reason is None:
+                return  # current when looked at: its writers keep it so (a later look may find a newer commit)
+            self.cache_report.reason = reason
+            self.index.close()
+            self.index, self._private_cache = cache.private_index()
+            self.objects.index = self.index
+            self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
         cache.ensure_current(self, self.cache_report)
 
     def _shared_cache_lag(self, wait: float = 2.0) -> str | None:
