@@ -101,8 +101,17 @@ def why_stale(store, txn) -> str | None:
         if hash_bytes(data) != digest:
             return f"record log entry {seq} is not the one the index folded in"
     if store.records.exists(seq + 1):
-        return f"the store has record log entries after {seq} that the index lacks"
+        return f"{BEHIND}{seq} that the index lacks"
     return None
+
+
+BEHIND = "the store has record log entries after "  # why_stale's reason for a cache that is only behind
+
+
+def only_behind(reason: str | None) -> bool:
+    """Whether why_stale's `reason` says the cache is the store's, as it stood some entries ago
+    (a commit in flight looks so: its entry is in the log before its index transaction ends)."""
+    return reason is not None and reason.startswith(BEHIND)
 
 
 def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = False) -> RebuildReport:

@@ -159,8 +159,8 @@ class CheckpointStore:
         while True:
             with self.index.read() as txn:
                 reason = cache.why_stale(self, txn)
-            if reason is None or time.monotonic() >= deadline:
-                return reason
+            if not cache.only_behind(reason) or time.monotonic() >= deadline:
+                return reason  # current, or not the store's as it stood (lost, replaced): no commit to wait for
             time.sleep(0.01)
 
     def _rebuild(self, txn) -> None:
