@@ -112,7 +112,7 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
             entry[2] += 1
         else:
             env, snapshot = _open_env(path, readonly=readonly, create=create, map_size=map_size)
-            entry = _envs[real] = [env, readonly, 1, {}, snapshot, file_identity(path)]
+            entry = _envs[real] = [env, env.flags()["readonly"], 1, {}, snapshot, file_identity(path)]
     if not readonly:
         reader_check(entry[0])
     return entry
@@ -135,6 +135,12 @@ def _open_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tupl
     without a reader slot lets writers reuse the pages it is reading."""
     if readonly and not _lock_writable(path):
         return _snapshot(path, map_size)
+    # A read-only open of an index this process could write opens it writable all the same (its
+    # Index refuses writes, and opening writes nothing): LMDB allows one environment per path and
+    # process, so a writable open later in the process shares this one. It found it "already
+    # open read-only", took the index for damaged, moved it aside and built another, and the
+    # reader read on in the old one, blind to every later commit (stop 30).
+    readonly = readonly and not os.access(os.path.join(path, "data.mdb"), os.W_OK)
     try:
         env = lmdb.open(path, subdir=True, create=create, readonly=readonly, lock=True,
                         map_size=map_size, max_dbs=16, max_readers=512,

@@ -59,9 +59,10 @@ class ObjectStore:
         self.trust_packs = backend is not None and not backend.capabilities.batched_sync
         self.backend = backend  # where writers' leases live (None: leases in the index alone)
         self.namer = namer_of(packs.backend)  # how this store names objects (keyed when encrypted)
-        # called when a pack the index names is gone (a store shared by hosts: the caller's cache
-        # catches up with the gc that removed it, then the record is looked up again)
-        self.on_missing_pack: Callable[[], None] | None = None
+        # called when an object is not where the index says (a store shared by hosts, or a
+        # private cache: the caller's cache catches up with the gc or recode that moved it, then
+        # the record is looked up again)
+        self.on_missing: Callable[[], None] | None = None
         self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
         self.sessions_lock = threading.Lock()
         # lease files of this object's own sessions: their holds go to this very index, but a
@@ -83,12 +84,14 @@ class ObjectStore:
                     return self.files.get(key, _read_buffer)
                 return self.packs.read(rec.pack, rec.offset, rec.stored_size, key, _read_buffer)
             except MissingObjectError:
-                # gc may have repacked it, or a recode moved a file object into a pack, between our
-                # lookup and the read: look again
-                if attempt or (rec is None or rec.where == WHERE_FILE) and self.record(key) == rec:
+                # gc may have repacked it, or a recode moved it into a new pack, between our lookup
+                # and the read: look again (a cache no writer keeps first learns where it went)
+                if attempt:
                     raise
-                if rec is not None and rec.where == WHERE_PACK and self.on_missing_pack is not None:
-                    self.on_missing_pack()  # a gc elsewhere removed it: learn where it went
+                if self.on_missing is not None:
+                    self.on_missing()
+                if self.record(key) == rec:
+                    raise
         raise AssertionError("unreachable")
 
     def get(self, key: bytes, out: np.ndarray | None = None, *, verify: bool = True,

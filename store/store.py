@@ -84,8 +84,7 @@ class CheckpointStore:
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
                                    CodecPolicy(compress=opts.compress, level=opts.compression_level),
                                    pack_max, backend=self.backend, pack_target=pack_target)
-        if not where.local:
-            self.objects.on_missing_pack = self.ensure_cache
+        self.objects.on_missing = self._follow_moved_objects
         try:
             faults.point("store.cache_opened")
             self._check_cache()
@@ -172,6 +171,14 @@ class CheckpointStore:
         self._reopen_if_orphaned()
         if self.registry.log is not None:
             cache.ensure_current(self, self.cache_report)
+
+    def _follow_moved_objects(self) -> None:
+        """An object is not where the cache says: a gc or recode elsewhere moved it. A cache
+        only this process reads (a bucket's, or a private one built at a read-only open) learns
+        where from the record log; the shared cache of a local store is kept current by whoever
+        moved them, so its record is simply looked up again."""
+        if not self.location.local or self._private_cache is not None:
+            self.ensure_cache()
 
     def _reopen_if_orphaned(self) -> None:
         """When the index files were deleted or replaced while this store was open, open the

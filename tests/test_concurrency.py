@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -154,3 +155,66 @@ def test_opening_a_store_while_another_thread_is_in_a_write_transaction(tmp_path
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "opened", out.stderr[-1500:]
+
+
+
+def test_a_writable_open_after_a_read_only_one_in_the_same_process_shares_its_index(tmp_path):
+    """LMDB allows one environment per path and process. A read-only open made it read-only, so
+    a writable open later in the process found it "already open read-only", took the index for
+    damaged, moved it aside and built another; the reader read on in the old one and never saw
+    a later commit (a pull from a store this process also saves to lost objects that way)."""
+    path = tmp_path / "s"
+    with cas.open(path) as store:
+        store.save({"a": torch.ones(8)}, step=1)
+    with cas.open(path, readonly=True) as reader, cas.open(path) as writer:
+        assert writer.cache_report.moved_aside is None and writer.cache_report.reason is None
+        writer.save({"a": torch.zeros(8)}, step=2)
+        assert [ck.step for ck in reader.checkpoints()] == [1, 2]
+        assert torch.equal(reader.load(2)["a"], torch.zeros(8))
+        with pytest.raises(cas.ReadOnlyStoreError):
+            reader.delete(1)
+    assert not [name for name in os.listdir(path) if ".damaged-" in name]
+
+
+def _gc_moves_a_live_object(path):
+    """Removing step 1 leaves its pack with a dead entry (b) beside a live one (a): gc moves a."""
+    with cas.open(path) as writer:
+        writer.delete(1)
+        assert writer.gc().packs_rewritten == 1
+
+
+def _recode_moves_step_1(path):
+    """A save close to step 2 makes step 2's chunks deltas of it, in new packs (reverse deltas)."""
+    with cas.open(path, pack_max=4096) as writer:
+        writer.save(_series(1e-4), step=3)
+
+
+def _series(noise: float) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 18, generator=g)
+    return {"x": x + noise * torch.randn(1 << 18, generator=g)}
+
+
+@pytest.mark.parametrize("move", [_gc_moves_a_live_object, _recode_moves_step_1], ids=["gc", "recode"])
+@pytest.mark.parametrize("pack_max", [None, 4096], ids=["packed", "files"])
+def test_a_reader_with_a_private_cache_follows_objects_a_writer_moved(tmp_path, move, pack_max):
+    """A read-only open that found no shared index reads from a private cache, built once at
+    open. A writer elsewhere then moved objects of checkpoints it kept (gc rewrote a pack with a
+    dead entry; a recode made chunks deltas of a newer save): the reader's records still named
+    the old places, so loading a checkpoint nobody removed raised MissingObjectError ("pack ...
+    is missing", "object file is missing"): the pull audit of stop 29. The reader now brings its
+    cache up to date from the record log and reads the objects where they went."""
+    path = tmp_path / "s"
+    a, b, c = (torch.full((64,), float(v)) for v in (1, 2, 3))
+    states = {1: {"a": a, "b": b}, 2: {"a": a, "c": c, **_series(0)}}
+    with cas.open(path, delta=True, pack_max=pack_max) as store:
+        for step, state in states.items():
+            store.save(state, step=step)
+        index_dir = store.location.index_dir(store.config)
+    shutil.rmtree(index_dir)
+    with cas.open(path, readonly=True) as reader:
+        assert reader.cache_report.reason is not None  # no shared index: a private cache
+        move(path)
+        loaded = reader.load(2)
+        assert loaded.keys() == states[2].keys() and all(torch.equal(loaded[k], v) for k, v in states[2].items())
+        assert reader.verify().ok
