@@ -473,6 +473,11 @@ class Header:
                         for s, a in self.stages) or "raw"
 
     @property
+    def element_size(self) -> int:
+        """The element size it was coded with (its byte grouping or `sub`/`linear` delta); 1 if none."""
+        return next((arg for sid, arg in self.stages if sid in (STAGE_BYTEGROUP, STAGE_SUB, STAGE_LINEAR)), 1)
+
+    @property
     def needs_below(self) -> bool:
         """Decoding needs the base's base too (a `linear` delta)."""
         return self.shift is not None

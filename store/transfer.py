@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from cas.errors import CasError, CheckpointExistsError, CorruptionError, ReadOnlyStoreError
+from cas import faults
 from cas.chains import decode_chain
 from cas.codecs import parse_header
 from cas.objectstore import WriteSession
@@ -184,6 +185,7 @@ class _Copier:
         if not tops:
             return
         chains = self.src.objects.chains(tops)
+        faults.point("transfer.chains_planned")
         lower = list(OrderedDict.fromkeys(k for top in tops for k in chains[top][1:]))
         present = dict(zip(lower, session.claim(lower))) if lower else {}
         held = {key for key, ok in present.items() if ok}  # dst's own copies: their chains are dst's
@@ -232,6 +234,12 @@ class _Copier:
         try:
             raw = decode_chain(chain, fetch, check_each=False, namer=self.src.objects.namer)
         except CorruptionError:
+            if self.src.objects.chain(chain[0]) != chain:
+                # a recode in the source made a level a delta of a newer chunk since the chain
+                # was planned (a pull beside a save): copy these objects by their content
+                for key in (k for k in chain if k in mine):
+                    self._count(self._copy_content(session, key))
+                return
             if len(chain) == 1:
                 raise
             raw = decode_chain(chain, fetch, check_each=True, namer=self.src.objects.namer)  # names the damaged level
@@ -242,13 +250,23 @@ class _Copier:
             if key in mine:
                 base = chain[level + 1] if level + 1 < len(chain) else None
                 below = chain[level + 2] if level + 2 < len(chain) else None
-                if base in held and session.base_of(base) != below and parse_header(kept[key], key=key).needs_below:
-                    size = self._code_again(session, key, base, parse_header(kept[key], key=key).stages[0][1])
+                head = parse_header(kept[key], key=key)
+                if head.needs_below and session.base_of(base) != below:  # dst's base is coded otherwise
+                    size = self._code_again(session, key, base, head.element_size)
                 else:
                     size = session.put_encoded(key, kept[key], raw_size=raw.size, base=base)
-                with self.lock:
-                    self.report.objects_copied += 1
-                    self.report.bytes_copied += size
+                self._count(size)
+
+    def _count(self, size: int) -> None:
+        with self.lock:
+            self.report.objects_copied += 1
+            self.report.bytes_copied += size
+
+    def _copy_content(self, session: WriteSession, key: bytes) -> int:
+        """Write `key` into dst whole, coded by dst's codec from the source's decoded bytes
+        (checked, along the chain the source has now)."""
+        element_size = parse_header(self.src.objects.fetch(key), key=key).element_size
+        return session.write(key, self.src.objects.get(key), element_size)
 
     def _code_again(self, session: WriteSession, key: bytes, base: bytes, element_size: int) -> int:
         """Write `key` into dst coded by dst's codec against `base` alone (a `sub` delta, or whole

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -273,3 +274,46 @@ def test_cli_ls_shows_the_mirrored_column(tmp_path):
     assert plain.returncode == 0 and "mirrored" in plain.stdout and "yes" in plain.stdout
     assert json.loads(cli("ls", "--json", store=tmp_path / "local").stdout)[0]["mirrored"] is True
     assert "mirrored" not in cli("ls", store=tmp_path / "m").stdout
+
+
+def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
+    """A pull planned its chains (step 1's chunks whole), then the source's writer saved step 2
+    and its recode made step 1's chunks deltas of step 2's, in new packs, and removed the old
+    ones: the pull read the new encodings along the old chains and failed with a false
+    CorruptionError (the pull audit of stop 29). It now copies such objects by their content."""
+    from cas import faults
+    import threading
+    src_path, gate = tmp_path / "src", tmp_path / "gate"
+    first = state(1)
+    with cas.open(src_path, **OPTS) as s:
+        s.save(first, step=1)
+    faults.configure(f"transfer.chains_planned=pause:{gate}@1")
+    results: list = []
+    dst = cas.open(tmp_path / "dst", **OPTS)
+    puller = threading.Thread(target=lambda: results.append(_pull_or_error(dst, src_path)))
+    try:
+        puller.start()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{gate}.reached"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with cas.open(src_path, **OPTS) as s:
+            s.save(state(2, drift=1e-3, base=first), step=2)
+            s.wait()
+            w_chunks = next(t["chunks"] for t in s.tensors(1) if t["path"] == "w")
+            assert all(s.objects.record(k).base is not None for k in w_chunks)  # deltas of step 2's now
+    finally:
+        gate.touch()
+        faults.configure("")
+        puller.join(timeout=120)
+    with dst:
+        assert not isinstance(results[0], Exception), results[0]
+        assert_same(dst.load(1), first)
+        assert dst.verify().ok
+
+
+def _pull_or_error(dst, src_path):
+    try:
+        return dst.pull(src_path)
+    except Exception as exc:  # noqa: BLE001 - handed to the test thread
+        return exc
