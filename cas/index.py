@@ -88,7 +88,7 @@ class ObjectRecord:
 _envs: dict[str, list] = {}  # real path -> [environment, opened read-only, users, {table name: handle}, snapshot dir,
 #                                          identity of its data.mdb]
 _envs_lock = threading.Lock()
-_META = struct.Struct("<Q8xI20xI100xQ")  # an LMDB meta page: pgno, magic, page size, txnid (64-bit layout)
+_META = struct.Struct("<Q8xI20xI92xQQ")  # an LMDB meta page: pgno, magic, page size, last page, txnid (64-bit layout)
 _LMDB_MAGIC = 0xBEEFC0DE
 SNAPSHOT_ATTEMPTS = 5
 
@@ -133,6 +133,7 @@ def _open_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tupl
     be written (a read-only mount of a store that writers may change through another path), a
     private snapshot copy (see _snapshot) and the folder holding it. Never lock-free: a reader
     without a reader slot lets writers reuse the pages it is reading."""
+    check_data_file(path)
     if readonly and not _lock_writable(path):
         return _snapshot(path, map_size)
     # A read-only open of an index this process could write opens it writable all the same (its
@@ -167,16 +168,41 @@ def reader_check(env: lmdb.Environment) -> int:
         return 0  # a snapshot opened read-only has no slots of others to free
 
 
-def _meta_txnids(data: str) -> tuple[list[int], int]:
-    """The transaction ids of an LMDB data file's two meta pages, and its page size."""
+def _meta_pages(data: str) -> tuple[list[tuple[int, int]], int]:
+    """(transaction id, last page used) of an LMDB data file's two meta pages, and its page size."""
     with open(data, "rb") as f:
         first = f.read(_META.size)
-        pgno, magic, psize, txnid0 = _META.unpack(first)
+        if len(first) < _META.size:
+            raise CasError(f"{data} is cut short ({len(first)} bytes); `cas repair` rebuilds the index")
+        pgno, magic, psize, last0, txnid0 = _META.unpack(first)
         f.seek(psize)
         second = f.read(_META.size)
     if magic != _LMDB_MAGIC or len(second) < _META.size:
         raise CasError(f"{data} is not an LMDB data file; `cas repair` rebuilds the index")
-    return [txnid0, _META.unpack(second)[3]], psize
+    _, _, _, last1, txnid1 = _META.unpack(second)
+    return [(txnid0, last0), (txnid1, last1)], psize
+
+
+def _meta_txnids(data: str) -> tuple[list[int], int]:
+    """The transaction ids of an LMDB data file's two meta pages, and its page size."""
+    metas, psize = _meta_pages(data)
+    return [txnid for txnid, _ in metas], psize
+
+
+def check_data_file(path: str) -> None:
+    """Refuse an index whose data file is shorter than its newest transaction's pages (cut
+    short by a crash of the filesystem, a full disk, a bad copy): LMDB maps the file and would
+    read past its end, which kills the process with SIGBUS instead of raising."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        size = os.path.getsize(data)
+    except FileNotFoundError:
+        return  # a new environment: LMDB makes it
+    metas, psize = _meta_pages(data)
+    _, last = max(metas)
+    if size < (last + 1) * psize:
+        raise CasError(f"{data} is cut short ({size} bytes; its last transaction uses {(last + 1) * psize}); "
+                       "`cas repair` rebuilds the index")
 
 
 def _snapshot(path: str, map_size: int) -> tuple[lmdb.Environment, str]:
