@@ -62,7 +62,7 @@ class ObjectStore:
         # called when an object is not where the index says (a store shared by hosts, or a
         # private cache: the caller's cache catches up with the gc or recode that moved it, then
         # the record is looked up again)
-        self.on_missing: Callable[[], None] | None = None
+        self.on_missing: Callable[[bytes, ObjectRecord | None], None] | None = None
         self.open_sessions = 0  # write sessions not yet committed or aborted (the index must not change under them)
         self.sessions_lock = threading.Lock()
         # lease files of this object's own sessions: their holds go to this very index, but a
@@ -89,7 +89,7 @@ class ObjectStore:
                 if attempt:
                     raise
                 if self.on_missing is not None:
-                    self.on_missing()
+                    self.on_missing(key, rec)
                 if self.record(key) == rec:
                     raise
         raise AssertionError("unreachable")

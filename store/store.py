@@ -79,6 +79,7 @@ class CheckpointStore:
         self.backend = where.backend
         self.records = RecordLog(self.backend, self.path)
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
+        self._cache_rebuilt = False  # a bucket host's cache rebuilt for an object it misplaced (once per open)
         self._open_cache()
         pack_max, pack_target = where.packing(opts.pack_max)
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
@@ -172,12 +173,43 @@ class CheckpointStore:
         if self.registry.log is not None:
             cache.ensure_current(self, self.cache_report)
 
-    def _follow_moved_objects(self) -> None:
-        """An object is not where the cache says: a gc or recode elsewhere moved it. A cache
-        only this process reads (a bucket's, or a private one built at a read-only open) learns
-        where from the record log; the shared cache of a local store is kept current by whoever
-        moved them, so its record is simply looked up again."""
-        if not self.location.local or self._private_cache is not None:
+    def _cache_is_own(self) -> bool:
+        """Whether no other writer keeps this cache current: a bucket host's, or the private one
+        of a read-only open (the shared cache of a local store is written by every commit)."""
+        return not self.location.local or self._private_cache is not None
+
+    def _follow_moved_objects(self, key: bytes, rec) -> None:
+        """Object `key` is not where the cache says (`rec`): a gc or recode elsewhere moved it. A
+        cache of this process's own learns where from the record log; the shared cache of a
+        local store is kept current by whoever moved them, so its record is simply looked up
+        again. A bucket host's cache that still places it there after catching up may itself be
+        damaged (bytes of its file overwritten: an audit's loads of intact checkpoints failed on
+        every reopen), so it is rebuilt from the bucket, once per open, before the object is
+        called missing."""
+        if not self._cache_is_own():
+            return
+        self.ensure_cache()
+        if self.location.local or self._cache_rebuilt or self.objects.record(key) != rec:
+            return
+        with self.objects.sessions_lock:
+            if self.objects.open_sessions:  # a save of this process writes into it: not now
+                return
+            self._cache_rebuilt = True
+            with self.index.write() as txn:
+                self.cache_report.reason = f"object {key.hex()} is not where this host's cache placed it"
+                cache.rebuild(self, txn, self.cache_report)
+
+    def _see_other_commits(self) -> None:
+        """Before the registry is read for a caller: a cache of this process's own first folds
+        what other hosts or processes committed since it last looked (one HEAD of the next log
+        entry when there is nothing), so a host polling a bucket sees their new checkpoints, as
+        a local store's readers do. Saves, gc and the store's own bookkeeping check the cache
+        where they need it (ensure_cache)."""
+        if not self._cache_is_own() or self.registry.log is None:
+            return
+        with self.index.read() as txn:
+            seq, _ = self.registry.head(txn)
+        if self.records.exists(seq + 1):
             self.ensure_cache()
 
     def _reopen_if_orphaned(self) -> None:
@@ -327,7 +359,7 @@ class CheckpointStore:
         metrics = checked_metrics(metrics)
         meta = checked_meta(meta)
         self._reopen_if_orphaned()
-        if step in self._background.steps or (self.exists(step) and not replacing):
+        if step in self._background.steps or (self._known(step) and not replacing):
             raise exists_error(step)
         skeleton, leaves = plan(resolve_stateful(state), chunk_size=self.chunk_size)
         faults.point("save.planned")
@@ -375,7 +407,7 @@ class CheckpointStore:
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
         """For the first save after the store was opened: the latest checkpoint's chunk keys with
         their chains (recode.bases_of_checkpoint); empty when there is none."""
-        latest = self.latest()
+        latest = self._latest_known()
         try:
             return bases_of_checkpoint(self, latest, self.max_chain) if latest is not None else {}
         except CasError:  # a damaged manifest is verify's to report: nothing is recoded against it
@@ -402,7 +434,7 @@ class CheckpointStore:
         """Bases for the first delta save after the store was opened (a resumed run): the chunk
         keys of the latest checkpoint's floating-point tensors, with no bytes in memory; the
         workers read them back from the store, as for delta_memory. Empty when there is none."""
-        latest = self.latest()
+        latest = self._latest_known()
         try:
             return delta_bases.from_nodes(
                 [(p, leaf.node) for p, leaf in self.reader(latest.step).tensor_leaves().items()]) \
@@ -510,7 +542,9 @@ class CheckpointStore:
             state, ck, skipped = self._fallback(step, read)
             state = RestoredState(state, ck, skipped) if isinstance(state, dict) else state
         else:
-            state = self.reader(step).materialize(keys)
+            reader = self.reader(step)
+            faults.point("load.resolved")
+            state = self._unless_removed(reader.checkpoint, lambda: reader.materialize(keys))
         if device is not None:
             target = torch.device(device)
             moved = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
@@ -539,7 +573,8 @@ class CheckpointStore:
         steps passed over and why; when none verifies, CorruptionError names them all."""
         if not fallback:
             reader = self.reader(step)
-            return _restored(restore_targets(reader, targets), reader.checkpoint, [])
+            restored = self._unless_removed(reader.checkpoint, lambda: restore_targets(reader, targets))
+            return _restored(restored, reader.checkpoint, [])
 
         def verified_restore(ck: Checkpoint):
             report = verify_checkpoints(self, [ck])
@@ -549,6 +584,22 @@ class CheckpointStore:
             return restore_targets(self.reader(ck.step), targets)
 
         return _restored(*self._fallback(step, verified_restore))
+
+    def _unless_removed(self, ck: Checkpoint, read: Callable[[], object]):
+        """`read()` of checkpoint `ck`; when it fails for a missing or damaged object and `ck`
+        is no longer committed (retention or a gc of another process or host removed it, or a
+        save replaced it, while it was being read), CheckpointNotFoundError says so instead."""
+        try:
+            return read()
+        except CorruptionError as exc:
+            self._see_other_commits()
+            with self.index.read() as txn:
+                now = self.registry.get(txn, ck.step)
+            if now is None or now.id != ck.id:
+                raise CheckpointNotFoundError(
+                    f"checkpoint step {ck.step} of {self.path} was {'removed' if now is None else 'replaced'} "
+                    f"while it was being read ({exc})") from exc
+            raise
 
     def _fallback(self, step: int | None, attempt: Callable[[Checkpoint], object]):
         """first_sound over checkpoint `step` (the latest) and those committed before it, newest
@@ -567,6 +618,7 @@ class CheckpointStore:
     def resolve(self, step: int | None) -> Checkpoint:
         """Checkpoint `step`, or the latest when None; CheckpointNotFoundError when absent."""
         self._check_open()
+        self._see_other_commits()
         with self.index.read() as txn:
             if step is None:
                 ck = self.registry.latest(txn)
@@ -580,22 +632,34 @@ class CheckpointStore:
         return self.resolve(step)
 
     def exists(self, step: int) -> bool:
+        self._see_other_commits()
+        return self._known(step)
+
+    def _known(self, step: int) -> bool:
+        """Whether the cache, as it is, holds checkpoint `step` (a save's early check: its commit
+        refuses a step another host committed meanwhile)."""
         with self.index.read() as txn:
             return self.registry.get(txn, step) is not None
 
     def checkpoints(self) -> list[Checkpoint]:
         self._check_open()
+        self._see_other_commits()
         with self.index.read() as txn:
             return self.registry.all(txn)
 
     def latest(self) -> Checkpoint | None:
         self._check_open()
+        self._see_other_commits()
+        return self._latest_known()
+
+    def _latest_known(self) -> Checkpoint | None:
         with self.index.read() as txn:
             return self.registry.latest(txn)
 
     def previous(self, step: int) -> Checkpoint | None:
         """The checkpoint with the largest step below `step`, if any."""
         self._check_open()
+        self._see_other_commits()
         with self.index.read() as txn:
             return self.registry.previous(txn, step)
 

@@ -203,7 +203,8 @@ def test_a_reader_with_a_private_cache_follows_objects_a_writer_moved(tmp_path, 
     dead entry; a recode made chunks deltas of a newer save): the reader's records still named
     the old places, so loading a checkpoint nobody removed raised MissingObjectError ("pack ...
     is missing", "object file is missing"): the pull audit of stop 29. The reader now brings its
-    cache up to date from the record log and reads the objects where they went."""
+    cache up to date from the record log and reads the objects where they went; its list of
+    checkpoints follows the writer's too."""
     path = tmp_path / "s"
     a, b, c = (torch.full((64,), float(v)) for v in (1, 2, 3))
     states = {1: {"a": a, "b": b}, 2: {"a": a, "c": c, **_series(0)}}
@@ -215,6 +216,9 @@ def test_a_reader_with_a_private_cache_follows_objects_a_writer_moved(tmp_path, 
     with cas.open(path, readonly=True) as reader:
         assert reader.cache_report.reason is not None  # no shared index: a private cache
         move(path)
+        with cas.open(path) as writer:
+            steps = [ck.step for ck in writer.checkpoints()]
+        assert [ck.step for ck in reader.checkpoints()] == steps  # the writer's removal or new save seen
         loaded = reader.load(2)
         assert loaded.keys() == states[2].keys() and all(torch.equal(loaded[k], v) for k, v in states[2].items())
         assert reader.verify().ok
