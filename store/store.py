@@ -22,18 +22,19 @@ from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
 
-from . import cache, signing, snapshots
+from . import signing, snapshots
 from . import layout as L
 from . import bases as delta_bases
 from . import pipeline
 from .background import BackgroundSaves, SaveFuture
+from .cachekeeping import CacheKeeping
 from .commit import SaveRecord, commit_save
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
 from .reader import CheckpointReader
 from .recode import Recoder, bases_of_checkpoint
 from .records import RecordLog
-from .registry import Checkpoint, Registry, exists_error, remove_change, set_change
+from .registry import Checkpoint, exists_error, remove_change, set_change
 from .restore import RestoredState, first_sound, restore as restore_targets
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
@@ -53,7 +54,7 @@ class _SaveJob:
     replacing: bool = False  # the commit swaps out a checkpoint at the same step (save(replace=True))
 
 
-class CheckpointStore:
+class CheckpointStore(CacheKeeping):
     """A content-addressed checkpoint store in one folder (cas.Store adds retention and gc: open
     one with `cas.open(path)`)."""
 
@@ -115,126 +116,6 @@ class CheckpointStore:
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
         self._recoder = Recoder(self.objects, self._workers, self.after_recode)  # reverse deltas, after each commit
         self._closed = False
-
-    # --- the index: a cache of the store -------------------------------------------------
-    def _open_cache(self) -> None:
-        """Open the LMDB cache; a read-only open whose cache does not match the store uses a
-        private one instead (store/cache.py), so it changes nothing in the store."""
-        self.cache_report = report = cache.RebuildReport()
-        # a bucket store's cache is this host's own: written even when the store is opened read-only
-        self.index, self._private_cache = cache.open_index(self.location.index_dir(self.config),
-                                                            readonly=self.readonly and self.location.local,
-                                                            report=report)
-        legacy = self.config.format == 1 and self.readonly  # read as format 1 wrote it, no log
-        self.registry = Registry(self.index, self.path, None if legacy else self.records, self._rebuild,
-                                 sealer=self.location.keys)
-
-    def _check_cache(self) -> None:
-        """Make the cache provably current: upgrade a format-1 store, or rebuild a cache that
-        does not match the store's objects and record log. A read-only open reads the shared
-        cache as its writers keep it, or else a private one it rebuilds (it writes nothing)."""
-        if self.registry.log is None:
-            return
-        if self.config.format == 1:
-            cache.migrate_v1(self, self.cache_report)
-            return
-        if self.readonly and self.location.local and self._private_cache is None:
-            reason = self._shared_cache_lag()
-            if reason is None:
-                return  # current when looked at: its writers keep it so (a later look may find a newer commit)
-            self.cache_report.reason = reason
-            self.index.close()
-            self.index, self._private_cache = cache.private_index()
-            self.objects.index = self.index
-            self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
-        cache.ensure_current(self, self.cache_report)
-
-    def _shared_cache_lag(self, wait: float = 2.0) -> str | None:
-        """Why the shared cache is behind the store, or None when it is current. A writer appends
-        its log entry just before its index transaction commits, so a cache behind by a commit
-        in flight is given `wait` seconds to catch up (a read-only open found it current, then
-        failed to write it: the audit of stop 29); one still behind then (a writer killed in
-        between, an index lost) is for a private cache to replace."""
-        deadline = time.monotonic() + wait
-        while True:
-            with self.index.read() as txn:
-                reason = cache.why_stale(self, txn)
-            if not cache.only_behind(reason) or time.monotonic() >= deadline:
-                return reason  # current, or not the store's as it stood (lost, replaced): no commit to wait for
-            time.sleep(0.01)
-
-    def _rebuild(self, txn) -> None:
-        cache.refresh(self, txn, self.cache_report)
-
-    def ensure_cache(self) -> None:
-        """Re-check the cache against the store (gc does before it marks, each save before it
-        plans)."""
-        self._reopen_if_orphaned()
-        if self.registry.log is not None:
-            cache.ensure_current(self, self.cache_report)
-
-    def _cache_is_own(self) -> bool:
-        """Whether no other writer keeps this cache current: a bucket host's, or the private one
-        of a read-only open (the shared cache of a local store is written by every commit)."""
-        return not self.location.local or self._private_cache is not None
-
-    def _follow_moved_objects(self, key: bytes, rec) -> None:
-        """Object `key` is not where the cache says (`rec`): a gc or recode elsewhere moved it. A
-        cache of this process's own learns where from the record log; the shared cache of a
-        local store is kept current by whoever moved them, so its record is simply looked up
-        again. A bucket host's cache that still places it there after catching up may itself be
-        damaged (bytes of its file overwritten: an audit's loads of intact checkpoints failed on
-        every reopen), so it is rebuilt from the bucket, once per open, before the object is
-        called missing."""
-        if not self._cache_is_own():
-            return
-        self.ensure_cache()
-        if self.location.local or self._cache_rebuilt or self.objects.record(key) != rec:
-            return
-        with self.objects.sessions_lock:
-            if self.objects.open_sessions:  # a save of this process writes into it: not now
-                return
-            self._cache_rebuilt = True
-            with self.index.write() as txn:
-                self.cache_report.reason = f"object {key.hex()} is not where this host's cache placed it"
-                cache.rebuild(self, txn, self.cache_report)
-
-    def _see_other_commits(self) -> None:
-        """Before the registry is read for a caller: a cache of this process's own first folds
-        what other hosts or processes committed since it last looked (one HEAD of the next log
-        entry when there is nothing), so a host polling a bucket sees their new checkpoints, as
-        a local store's readers do. Saves, gc and the store's own bookkeeping check the cache
-        where they need it (ensure_cache)."""
-        if not self._cache_is_own() or self.registry.log is None:
-            return
-        with self.index.read() as txn:
-            seq, _ = self.registry.head(txn)
-        if self.records.exists(seq + 1):
-            self.ensure_cache()
-
-    def _reopen_if_orphaned(self) -> None:
-        """When the index files were deleted or replaced while this store was open, open the
-        index now at the path (rebuilding it if it must), so this process's changes reach the
-        others again; done only while no write session of this store is open (one that is ends
-        on the old index, whose commit then fails, nothing committed). The old environment is
-        closed with the store."""
-        with self.objects.sessions_lock:
-            if self._private_cache is not None or self.objects.open_sessions or not self.index.orphaned():
-                return
-            self._old_indexes.append(self.index)
-            self._open_cache()
-            self.objects.index = self.index
-            self._check_cache()
-
-    def cache_is_stale(self, txn) -> bool:
-        """Whether the cache no longer matches the store (inside the caller's transaction)."""
-        return self.registry.log is not None and cache.why_stale(self, txn) is not None
-
-    def _close_cache(self) -> None:
-        for old in self._old_indexes:
-            old.close()
-        self.index.close()
-        cache.drop_private(self._private_cache)
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
