@@ -87,6 +87,9 @@ class CacheKeeping:
         self.ensure_cache()
         if self.location.local or self._cache_rebuilt or self.objects.record(key) != rec:
             return
+        with self.index.read() as txn:
+            if rec is not None and self.index.pack_doomed(txn, rec.pack):
+                return  # a gc in progress is deleting that pack: the object is gone, not misplaced
         with self.objects.sessions_lock:
             if self.objects.open_sessions:  # a save of this process writes into it: not now
                 return
