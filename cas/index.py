@@ -18,6 +18,7 @@ Tables (see docs/format.md, "Index"):
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -256,6 +257,19 @@ def _release_env(path: str, entry: list) -> None:
                 shutil.rmtree(entry[4], ignore_errors=True)
 
 
+_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def write_advice(exc: lmdb.Error) -> str:
+    """What to do about a failed index write: room or permission for a full or read-only
+    filesystem; for anything else (a damaged data file: LMDB found a bad page or transaction)
+    a rebuild, which reads only the store's own objects and log."""
+    rc = next((a for a in exc.args if isinstance(a, int)), None)
+    if isinstance(exc, (lmdb.DiskError, lmdb.MapFullError, lmdb.ReadonlyError)) or rc in _ROOM_ERRNOS:
+        return "Free space on its filesystem (or make it writable) and retry"
+    return "The index may be damaged: `cas repair` rebuilds it from the store's objects and record log"
+
+
 class Index:
     """The store's LMDB environment and its tables."""
 
@@ -318,8 +332,8 @@ class Index:
                 yield txn
         except lmdb.Error as exc:
             raise StoreWriteError(f"writing to the index of the store at {os.path.dirname(self.path)} failed "
-                                  f"({type(exc).__name__}: {exc}); nothing of that change was committed. Free "
-                                  "space on its filesystem (or make it writable) and retry") from exc
+                                  f"({type(exc).__name__}: {exc}); nothing of that change was committed. "
+                                  + write_advice(exc)) from exc
 
     @contextmanager
     def nested(self, txn) -> Iterator[lmdb.Transaction]:

@@ -188,3 +188,19 @@ def test_an_int_too_large_to_load_back_is_refused_at_save(store):
         store.save({2 ** 40000: 1}, step=1)
     store.save({"big": 2 ** 30000}, step=1)
     assert store.load(1)["big"] == 2 ** 30000
+
+
+def test_a_failed_index_write_advises_room_for_a_full_disk_and_repair_for_damage():
+    """A damaged cache file made LMDB refuse a transaction (MDB_BAD_TXN) and the error told the
+    user to free disk space (a black-box audit). The advice now follows the failure."""
+    import errno
+
+    import lmdb
+
+    from cas.index import write_advice
+    for room in (lmdb.DiskError("mdb_txn_commit", errno.ENOSPC), lmdb.MapFullError("mdb_put"),
+                 lmdb.Error("mdb_txn_commit", errno.EROFS)):
+        assert write_advice(room).startswith("Free space"), room
+    for damage in (lmdb.BadTxnError("mdb_put: MDB_BAD_TXN"), lmdb.CorruptedError("mdb_get"),
+                   lmdb.PageNotFoundError("mdb_cursor_get")):
+        assert "`cas repair` rebuilds it" in write_advice(damage), damage
