@@ -22,6 +22,7 @@ import errno
 import os
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -196,9 +197,12 @@ def check_data_file(path: str) -> None:
     read past its end, which kills the process with SIGBUS instead of raising."""
     data = os.path.join(path, "data.mdb")
     try:
-        size = os.path.getsize(data)
+        st = os.stat(data)
     except FileNotFoundError:
         return  # a new environment: LMDB makes it
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read below forever
+        raise CasError(f"{data} is not a regular file; `cas repair` rebuilds the index")
+    size = st.st_size
     metas, psize = _meta_pages(data)
     _, last = max(metas)
     if size < (last + 1) * psize:

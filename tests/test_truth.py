@@ -164,6 +164,21 @@ def test_a_truncated_index_is_moved_aside_and_rebuilt(tmp_path, cut):
         assert_loads(store, 4, [4, 14, 99])
 
 
+
+def test_an_index_data_file_that_is_a_fifo_is_moved_aside_and_rebuilt(tmp_path):
+    """Hostile or broken: reading its meta pages (the cut-short check) would wait forever."""
+    path = tmp_path / "s"
+    expected = build(path)
+    data = path / "index" / "data.mdb"
+    data.unlink()
+    os.mkfifo(data)
+    code = "import cas, sys; s = cas.open(sys.argv[1], readonly=True); print(len(s.checkpoints()))"
+    read_only = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert (read_only.returncode, read_only.stdout.split()) == (0, [str(len(expected))]), read_only.stderr[-2000:]
+    with open_store(path) as store:
+        assert flags(store) == expected and store.cache_report.moved_aside is not None
+
+
 def test_a_format_1_store_is_upgraded_on_its_first_writable_open(tmp_path):
     """tests/data/store-v1.tar.gz was written by the format-1 cas: steps 1-4 delta-coded, step 1
     pinned, 2 made a milestone after its save, 3 made one and unmade, 4 deleted."""
