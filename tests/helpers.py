@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -73,3 +75,19 @@ def tiny_model(seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(),
                                torch.nn.Linear(64, 10))
+
+
+def wait_for(marker, seconds: float = 60) -> None:
+    """Wait until a fault point's `PATH.reached` marker (or any path) exists."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, f"{marker} never appeared"
+        time.sleep(0.01)
+
+
+def outcome_of(fn, *args):
+    """fn(*args), or the exception it raised: for a test thread to hand its result back."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed to the test thread
+        return exc

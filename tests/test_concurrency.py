@@ -8,11 +8,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
 from test_gc import assert_exactly_reachable
+from helpers import outcome_of, wait_for
 from workers import state_of
 
 import cas
@@ -71,13 +71,13 @@ def test_a_read_only_open_racing_a_commit_reads_and_writes_nothing(tmp_path):
     reader_gate, writer_gate = tmp_path / "reader", tmp_path / "writer"
     faults.configure(f"store.cache_opened=pause:{reader_gate}@1")
     opened: list = []
-    reader = threading.Thread(target=lambda: opened.append(_open_or_error(path)))
+    reader = threading.Thread(target=lambda: opened.append(outcome_of(lambda: cas.open(path, readonly=True))))
     writer = None
     try:
         reader.start()
-        _wait_for(f"{reader_gate}.reached")
+        wait_for(f"{reader_gate}.reached")
         writer = spawn("save", path, 2, "7+8", env=dict(os.environ, CAS_FAULTS=f"registry.logged=pause:{writer_gate}"))
-        _wait_for(f"{writer_gate}.reached")
+        wait_for(f"{writer_gate}.reached")
         reader_gate.touch()
         reader.join(timeout=60)
     finally:
@@ -94,18 +94,6 @@ def test_a_read_only_open_racing_a_commit_reads_and_writes_nothing(tmp_path):
     assert loaded.keys() == {"t7", "t8"} and all(torch.equal(loaded[k], v) for k, v in state_of([7, 8]).items())
 
 
-def _open_or_error(path):
-    try:
-        return cas.open(path, readonly=True)
-    except Exception as exc:  # noqa: BLE001 - handed to the test thread
-        return exc
-
-
-def _wait_for(marker: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(marker):
-        assert time.monotonic() < deadline, f"{marker} never appeared"
-        time.sleep(0.01)
 
 
 def test_a_store_on_a_read_only_filesystem_is_opened_read_only_for_loading(tmp_path):

@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import wait_for
 from test_delta import FLOATS, chains, next_state
 from test_gc import assert_exactly_reachable
 from test_truth import drop_index_files
@@ -480,12 +480,6 @@ def test_an_encrypted_store_recodes_too(tmp_path):
             assert torch.equal(store.load(step)["w"], drifting(step)["w"])
 
 
-def _wait_for(path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
-
 
 def test_a_pack_a_save_held_while_its_recode_compacted_is_compacted_by_the_next_recode(tmp_path):
     """A recode's compaction leaves alone a pack whose entries a save in progress holds; the next
@@ -499,10 +493,10 @@ def test_a_pack_a_save_held_while_its_recode_compacted_is_compacted_by_the_next_
         with cas.open(tmp_path / "d", chunk_size=64 << 10) as store:
             store.save(state(0), step=0)
             store.save(state(1), step=1)
-            _wait_for(recode_gate + ".reached")  # step 0's recode has encoded, not committed
+            wait_for(recode_gate + ".reached")  # step 0's recode has encoded, not committed
             third = threading.Thread(target=store.save, args=(state(2),), kwargs={"step": 2})
             third.start()
-            _wait_for(save_gate + ".reached")  # step 2's save holds its chunks, "c"'s among them
+            wait_for(save_gate + ".reached")  # step 2's save holds its chunks, "c"'s among them
             c_key = next(t["chunks"][0] for t in store.tensors(1) if t["path"] == "c")
             first_pack = records(store)[c_key].pack
             open(recode_gate, "w").close()
@@ -529,7 +523,7 @@ def test_chunks_a_recode_held_while_retention_removed_their_checkpoint_are_swept
         with cas.open(tmp_path / "d", chunk_size=64 << 10, retention=Retention(keep_last=2)) as store:
             store.save(drifting(0), step=0)
             store.save(drifting(1), step=1)
-            _wait_for(gate + ".reached")  # step 0's recode holds step 0's chunks
+            wait_for(gate + ".reached")  # step 0's recode holds step 0's chunks
             store.save(drifting(2), step=2)  # its retention removes step 0 and must leave them
             assert [ck.step for ck in store.checkpoints()] == [1, 2]
             open(gate, "w").close()

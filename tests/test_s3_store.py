@@ -4,7 +4,6 @@ s3://, hosts (cache folders) sharing one store, races, and what a bucket may hol
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
@@ -13,7 +12,7 @@ import torch
 
 import cas
 from cas import faults
-from helpers import assert_same
+from helpers import assert_same, outcome_of, wait_for
 from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
 
 CHUNK = 64 << 10
@@ -153,10 +152,10 @@ def test_a_checkpoint_removed_while_it_is_read_is_not_found_not_damaged(s3_url, 
     with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "b") as b:
         faults.configure(f"load.resolved=pause:{gate}@1")
         outcome: list = []
-        loader = threading.Thread(target=lambda: outcome.append(_load_or_error(b, 1)))
+        loader = threading.Thread(target=lambda: outcome.append(outcome_of(b.load, 1)))
         try:
             loader.start()
-            _wait_for(f"{gate}.reached")
+            wait_for(f"{gate}.reached")
             a.delete(1)
             assert a.gc().packs_removed > 0
         finally:
@@ -190,18 +189,6 @@ def test_a_host_whose_cache_misplaces_an_object_rebuilds_it_from_the_bucket(s3_u
         assert a.verify().ok
 
 
-def _load_or_error(store, step):
-    try:
-        return store.load(step)
-    except Exception as exc:  # noqa: BLE001 - handed to the test thread
-        return exc
-
-
-def _wait_for(marker: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(marker):
-        assert time.monotonic() < deadline, f"{marker} never appeared"
-        time.sleep(0.01)
 
 
 def test_a_missing_bucket_bad_credentials_or_no_server_is_one_clear_error(s3_server, monkeypatch, tmp_path):

@@ -9,14 +9,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
 import torch
 
 import cas
-from helpers import assert_same
+from helpers import assert_same, outcome_of, wait_for
 
 OPTS = dict(chunk_size=64 << 10, pack_max=16 << 10)
 
@@ -290,13 +289,10 @@ def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
     faults.configure(f"transfer.chains_planned=pause:{gate}@1")
     results: list = []
     dst = cas.open(tmp_path / "dst", **OPTS)
-    puller = threading.Thread(target=lambda: results.append(_pull_or_error(dst, src_path)))
+    puller = threading.Thread(target=lambda: results.append(outcome_of(dst.pull, src_path)))
     try:
         puller.start()
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"{gate}.reached"):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(f"{gate}.reached")
         with cas.open(src_path, **OPTS) as s:
             s.save(state(2, drift=1e-3, base=first), step=2)
             s.wait()
@@ -310,10 +306,3 @@ def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
         assert not isinstance(results[0], Exception), results[0]
         assert_same(dst.load(1), first)
         assert dst.verify().ok
-
-
-def _pull_or_error(dst, src_path):
-    try:
-        return dst.pull(src_path)
-    except Exception as exc:  # noqa: BLE001 - handed to the test thread
-        return exc
