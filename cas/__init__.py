@@ -34,7 +34,7 @@ _LAZY = {
     "StoreStats": "cas.store",
     "VerifyReport": "cas.store",
     "RNGState": "cas.store.training",
-    "ResumableRandomSampler": "cas.store.training",
+    "ResumableRandomSampler": "cas.store.sampler",
 }
 # subpackages that `import cas` used to import, so that `cas.store.X` after `import cas` works
 _SUBMODULES = frozenset({"api", "store", "gc"})

@@ -59,7 +59,7 @@ class TensorBases:
 def floating_node(node: dict) -> bool:
     """Whether a (checked) tensor node holds a floating-point dtype."""
     if node["lib"] == "torch":
-        return T.is_floating(T.torch_dtype(node["dtype"]))
+        return T.torch_layout(node["dtype"])[1] > 0
     return T.is_floating(numpy_dtype(node["dtype"]))
 
 
@@ -71,8 +71,9 @@ def from_nodes(nodes: Iterable[tuple[object, dict]]) -> dict[object, TensorBases
 
 
 def _group(node: dict) -> int:
-    dtype = T.torch_dtype(node["dtype"]) if node["lib"] == "torch" else numpy_dtype(node["dtype"])
-    return T.group_size(dtype)
+    if node["lib"] == "torch":
+        return T.torch_layout(node["dtype"])[1]
+    return T.group_size(numpy_dtype(node["dtype"]))
 
 
 class Buffers:

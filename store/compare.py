@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
 import numpy as np
-import torch
 
 from cas.progress import ProgressCallback
 
+from .lazytorch import torch
 from .interop import torch_dtype_of
 from .reader import Leaf
 from .registry import Checkpoint

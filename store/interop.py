@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 import numpy as np
-import torch
 
 from cas import faults
 from cas.errors import CasError, CheckpointNotFoundError
@@ -36,7 +35,8 @@ from cas.progress import ProgressCallback
 
 from .reader import Leaf
 from .registry import Checkpoint, exists_error
-from .tensors import TORCH_DTYPES
+from .lazytorch import torch
+from .tensors import same_size_int, torch_dtypes
 from .values import numpy_dtype
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
@@ -57,7 +57,7 @@ class ImportRefusedError(CasError):
 def torch_dtype_of(node: dict) -> torch.dtype | None:
     """The torch dtype a tensor node's values have (numpy arrays included); None if torch has none."""
     if node["lib"] == "torch":
-        return TORCH_DTYPES[node["dtype"]]
+        return torch_dtypes()[node["dtype"]]
     try:
         return torch.from_numpy(np.empty(0, dtype=numpy_dtype(node["dtype"]).newbyteorder("="))).dtype
     except TypeError:
@@ -97,7 +97,7 @@ def safetensors_dtypes() -> frozenset:
     ok = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32 is "experimental"
-        for dtype in TORCH_DTYPES.values():
+        for dtype in torch_dtypes().values():
             with contextlib.suppress(Exception):
                 if load(save({"x": torch.zeros(1, dtype=dtype)}))["x"].dtype == dtype:
                     ok.add(dtype)
@@ -464,7 +464,7 @@ def _raw(t: torch.Tensor) -> bytes:
     """A tensor's bytes in standard layout, compared as bits, not values (NaN equals NaN): viewed
     as an integer type first, as torch cannot copy some dtypes (float4, bits) into a layout."""
     t = t.detach().cpu()
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    as_int = same_size_int(t.element_size())
     t = (t.view(as_int) if as_int is not None else t).contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 

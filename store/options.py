@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-import torch
 
 from cas.codecs import checked_level
 from cas.crypt import user_key
@@ -21,6 +20,7 @@ from cas.errors import CasError
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
 
 from . import signing
+from .lazytorch import torch
 from .values import check_texts, checked_text, pack
 
 DEFAULT_WINDOW_BYTES = 256 << 20

@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-from torch.nn.parameter import is_lazy
-
 from cas.errors import CheckpointNotFoundError, CorruptionError, StateMismatchError
 
 from . import tensors
+from .lazytorch import torch
 from .reader import CheckpointReader
 from .registry import Checkpoint
 from .training import is_stateful
@@ -76,7 +74,7 @@ def restore(reader: CheckpointReader, targets: dict) -> dict:
             continue
         own: dict[str, torch.Tensor] = {}
         walk_value(target.state_dict(), lambda t, p: own.setdefault(p, t), path=str(key), match=torch.Tensor)
-        lazy = any(is_lazy(t) for t in own.values())  # load_state_dict gives a lazy module its shapes
+        lazy = any(torch.nn.parameter.is_lazy(t) for t in own.values())  # load_state_dict gives a lazy module its shapes
         if isinstance(target, torch.nn.Module):
             modules[key] = {} if lazy else own
         if not lazy:

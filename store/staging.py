@@ -10,8 +10,8 @@ slower still. Memory: one arena of the state's tensor bytes per save in flight.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from .lazytorch import torch
 from .tensors import flat_bytes
 from .tree import TensorLeaf
 

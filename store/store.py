@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 
 from cas import crypt, faults
 from cas.codecs import CodecPolicy
@@ -29,6 +28,7 @@ from . import pipeline
 from .background import BackgroundSaves, SaveFuture
 from .cachekeeping import CacheKeeping
 from .commit import SaveRecord, commit_save
+from .lazytorch import torch
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
 from .reader import CheckpointReader

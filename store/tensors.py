@@ -8,54 +8,86 @@ from __future__ import annotations
 
 import ctypes
 
+import functools
+
 import numpy as np
-import torch
 
 from cas.errors import CorruptionError
 
+from .lazytorch import torch
 from .values import numpy_dtype
 
-# Every dtype whose elements are plain bytes; quantized dtypes carry scales elsewhere and are refused.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "float4_e2m1fn_x2", "bits8", "bits16",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
+# Every torch dtype whose elements are plain bytes (quantized dtypes carry scales elsewhere and
+# are refused), by name: (bytes per element, byte-group stride: a float component's size, 0 for
+# non-floats). A table rather than torch's own answers, so that a manifest is read, checked, listed,
+# verified and collected without importing torch (tests/test_layers.py checks it against torch).
+TORCH_DTYPE_LAYOUT: dict[str, tuple[int, int]] = {
+    "float32": (4, 4), "float64": (8, 8), "float16": (2, 2), "bfloat16": (2, 2),
+    "complex32": (4, 2), "complex64": (8, 4), "complex128": (16, 8),
+    "int8": (1, 0), "int16": (2, 0), "int32": (4, 0), "int64": (8, 0),
+    "uint8": (1, 0), "uint16": (2, 0), "uint32": (4, 0), "uint64": (8, 0), "bool": (1, 0),
+    "float8_e4m3fn": (1, 1), "float8_e5m2": (1, 1), "float8_e4m3fnuz": (1, 1), "float8_e5m2fnuz": (1, 1),
+    "float8_e8m0fnu": (1, 1), "float4_e2m1fn_x2": (1, 1), "bits8": (1, 0), "bits16": (2, 0),
 }
-TORCH_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """The dtypes of TORCH_DTYPE_LAYOUT this torch has, by name (imports torch)."""
+    return {name: getattr(torch, name) for name in TORCH_DTYPE_LAYOUT
+            if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+@functools.cache
+def torch_dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in torch_dtypes().items()}
+
+
+def __getattr__(name: str):
+    """TORCH_DTYPES and TORCH_DTYPE_NAMES, the tables above as torch objects, on first use (PEP 562)."""
+    if name == "TORCH_DTYPES":
+        return torch_dtypes()
+    if name == "TORCH_DTYPE_NAMES":
+        return torch_dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_layout(name: str) -> tuple[int, int]:
+    """(element size, byte-group stride) of a torch dtype name; CorruptionError for a name that is
+    not one (a manifest's dtype is checked here, without torch)."""
+    try:
+        return TORCH_DTYPE_LAYOUT[name]
+    except (KeyError, TypeError):
+        raise CorruptionError(f"unknown torch dtype {name!r}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return TORCH_DTYPES[name]
+        return torch_dtypes()[name]
     except KeyError:
         raise CorruptionError(f"unknown torch dtype {name!r}") from None
 
 
 def is_floating(dtype) -> bool:
     """Floats and complex numbers: byte grouping helps (their high bytes repeat), and so do deltas."""
-    if isinstance(dtype, torch.dtype):
-        return dtype.is_floating_point or dtype.is_complex
-    return np.dtype(dtype).kind in "fc"
+    if isinstance(dtype, np.dtype) or isinstance(dtype, str):
+        return np.dtype(dtype).kind in "fc"
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def group_size(dtype) -> int:
     """Byte-group stride for a dtype: the size of one float component (complex64 -> 4)."""
-    if isinstance(dtype, torch.dtype):
-        size = torch.empty((), dtype=dtype).element_size()
-        return size // 2 if dtype.is_complex else size
-    dtype = np.dtype(dtype)
-    return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    if isinstance(dtype, np.dtype) or isinstance(dtype, str) or isinstance(dtype, type):
+        dtype = np.dtype(dtype)
+        return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    size = dtype.itemsize
+    return size // 2 if dtype.is_complex else size
 
 
 def unsupported_tensor_reason(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided:
         return f"tensor layout {t.layout} (only dense tensors are stored)"
-    if t.dtype not in TORCH_DTYPE_NAMES:
+    if t.dtype not in torch_dtype_names():
         return f"tensor dtype {t.dtype}"
     if t.device.type == "meta":
         return "a meta tensor (it has no data)"
@@ -74,9 +106,9 @@ def torch_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    if not t.is_contiguous() and t.element_size() in _SAME_SIZE_INT:
+    if not t.is_contiguous() and (same_size := same_size_int(t.element_size())) is not None:
         # reinterpret first: torch cannot copy some dtypes (float4, bits) into a contiguous layout
-        t = t.view(_SAME_SIZE_INT[t.element_size()])
+        t = t.view(same_size)
     return numpy_view(flat_bytes(t.contiguous()))
 
 
@@ -91,7 +123,9 @@ def numpy_view(flat: torch.Tensor) -> np.ndarray:
     return np.frombuffer(memory, dtype=np.uint8)
 
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def same_size_int(size: int) -> torch.dtype | None:
+    """The integer dtype of `size` bytes, to reinterpret a tensor's elements as."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +162,7 @@ def nbytes_of(dtype_size: int, shape: list[int]) -> int:
 
 def element_size(lib: str, dtype_name: str) -> int:
     if lib == "torch":
-        return torch.empty((), dtype=torch_dtype(dtype_name)).element_size()
+        return torch_layout(dtype_name)[0]
     return numpy_dtype(dtype_name).itemsize
 
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
-import torch
 
 from cas.codecs import can_delta
 from cas.errors import CorruptionError
 from cas.hashing import KEY_SIZE, PLAIN, Namer
 
 from . import tensors as T
+from .lazytorch import torch
 from .values import (MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
                      too_deep, unpack)
 
@@ -115,7 +115,7 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
         reason = T.unsupported_tensor_reason(t)
         if reason:
             raise TypeError(f"cannot store {reason} at {path!r}")
-        leaf = TensorLeaf(path, "torch", T.TORCH_DTYPE_NAMES[t.dtype], list(t.shape),
+        leaf = TensorLeaf(path, "torch", T.torch_dtype_names()[t.dtype], list(t.shape),
                           t.numel() * t.element_size(), group_of(t.dtype), t, chunk_size, floating=_deltable(t.dtype))
         leaves.append(leaf)
         return leaf
@@ -280,7 +280,7 @@ def _check_tensor_node(node: dict, name: str) -> None:
     if not ok:
         raise CorruptionError("tensor node is malformed", key=name)
     if node["lib"] == "torch":
-        T.torch_dtype(node["dtype"])
+        T.torch_layout(node["dtype"])
     else:
         numpy_dtype(node["dtype"])
     nbytes = T.nbytes_of(T.element_size(node["lib"], node["dtype"]), shape)

@@ -84,6 +84,46 @@ def test_python_dash_m_runs_the_cli(module):
     assert "usage: cas" in result.stdout and "export" in result.stdout and "gc" in result.stdout
 
 
+def test_cli_commands_that_read_a_store_do_not_import_torch(tmp_path):
+    """Importing torch was most of a CLI command's start-up (1-2 s of its 2.2 s); listing,
+    showing, verifying, collecting and reading the log touch chunk bytes and records only."""
+    import numpy as np
+    import torch
+
+    import cas
+
+    with cas.open(tmp_path / "s") as store:
+        for step in (1, 2):
+            store.save({"w": torch.randn(300, 300), "h": torch.randn(70_000).to(torch.bfloat16),
+                        "a": np.arange(10.0), "step": step}, step=step)
+    commands = [["ls"], ["show", "2"], ["du"], ["verify"], ["gc", "--keep-last", "1"], ["log"], ["ls", "--json"]]
+    code = f"""
+import sys
+from cas.cli import main
+for argv in {commands!r}:
+    assert main(["--store", {str(tmp_path / "s")!r}, *argv]) == 0, argv
+print("torch imported:", "torch" in sys.modules)
+"""
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("torch imported: False"), result.stdout[-2000:]
+    with cas.open(tmp_path / "s") as store:  # the commands ran (gc kept the last one)
+        assert [c.step for c in store.checkpoints()] == [2]
+
+
+def test_the_torch_dtype_table_agrees_with_torch():
+    """Manifests are checked against a table of dtypes (so that reading one needs no torch);
+    it must say what torch says."""
+    from cas.store import tensors as T
+
+    assert set(T.torch_dtypes()) == set(T.TORCH_DTYPE_LAYOUT), "a dtype of the table is missing from torch"
+    for name, dtype in T.torch_dtypes().items():
+        size = dtype.itemsize
+        group = T.group_size(dtype) if T.is_floating(dtype) else 0
+        assert T.TORCH_DTYPE_LAYOUT[name] == (size, group), name
+        assert T.TORCH_DTYPES[name] is dtype and T.TORCH_DTYPE_NAMES[dtype] == name
+
+
 # --- private names across modules -----------------------------------------------------------
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name not in ALLOWED_PRIVATE
