@@ -67,7 +67,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from cas import fsutil
 from cas.errors import CasError, CheckpointNotFoundError
 
-from .opening import given_or_opened, open_named, open_path
+from .opening import given_or_opened, open_named
 from .registry import Checkpoint
 from .store import CheckpointStore
 

@@ -19,7 +19,6 @@ from cas import faults
 from cas.codecs import scratch
 from cas.chains import last_below
 from cas.errors import CorruptionError
-from cas.hashing import hash_bytes
 from cas.objectstore import ObjectStore, WriteSession
 
 from .bases import TensorBases
