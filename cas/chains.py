@@ -8,7 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from .codecs import decode_into, parse_header, scratch
+from .codecs import decode_into, parse_header
+from .transforms import scratch
 from .errors import CorruptionError
 
 MAX_CHAIN_DECODE = 64  # far above any configured chain bound; stops a hostile cycle of bases

@@ -9,7 +9,6 @@ wrong byte is an error, never data. See docs/format.md, "Object encoding".
 from __future__ import annotations
 
 import struct
-import sys
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +17,8 @@ import zstandard
 
 from .errors import CasError, CorruptionError, FormatVersionError
 from .hashing import KEY_SIZE, PLAIN, Namer, to_hex
+from .transforms import (INTEGER_SIZES, group_bytes, linear_prediction, motion_of, scratch, sub_delta, undo_sub_delta,
+                         ungroup_bytes)
 
 MAGIC = b"caso"
 OBJECT_FORMAT = 3  # the newest written; each object is written with the oldest format that reads it
@@ -42,10 +43,6 @@ DELTA_STAGES = (STAGE_XOR, STAGE_SUB, STAGE_LINEAR)
 LINEAR_SHIFTS = (0, 1)
 MAX_LINEAR_SHIFT = 7
 DELTA_MARGIN = 0.9  # a delta is kept only when its sample codes to under 90% of the plain sample
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-# element sizes grouped by integer shifts (little-endian hosts; 8-byte shifts measured slower)
-_SHIFTED = (2, 4) if sys.byteorder == "little" else ()
 
 ZSTD_MIN_LEVEL = -(1 << 17)  # zstd's fastest "fast" level (ZSTD_minCLevel); python-zstandard takes any lower as it
 ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
@@ -92,107 +89,6 @@ def _zstd_d() -> zstandard.ZstdDecompressor:
     return d
 
 
-def scratch(nbytes: int, slot: str = "scratch") -> np.ndarray:
-    """A per-thread reusable byte buffer, one per `slot` name (each name has one user, so
-    buffers in use never alias): fresh large allocations are slow on this kind of VM."""
-    buf = getattr(_local, slot, None)
-    if buf is None or buf.size < nbytes:
-        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-        setattr(_local, slot, buf)
-    return buf[:nbytes]
-
-
-def group_bytes(raw: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
-    """Byte k of every element together, for each k: floats' sign/exponent bytes compress well
-    once they are next to each other. `raw.size` must be a multiple of `element_size`."""
-    planes = out.reshape(element_size, -1)
-    if element_size in _SHIFTED:
-        # as integers, plane k is (element >> 8k): 3.4x (2-byte) and 1.8x (4-byte) faster here
-        # than numpy's strided byte copy below
-        wide = scratch(raw.size, "shift").view(_UNSIGNED[element_size])
-        elements = raw.view(_UNSIGNED[element_size])
-        np.copyto(planes[0], elements, casting="unsafe")  # the low byte needs no shift
-        for k in range(1, element_size):
-            np.copyto(planes[k], np.right_shift(elements, 8 * k, out=wide), casting="unsafe")
-        return out
-    elements = raw.reshape(-1, element_size)
-    for k in range(element_size):  # one strided pass per plane: ~4 GB/s, 3x numpy's .T copy
-        planes[k] = elements[:, k]
-    return out
-
-
-def ungroup_bytes(grouped: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
-    """Inverse of group_bytes, written straight into `out` (restore's hot loop)."""
-    planes = grouped.reshape(element_size, -1)
-    if element_size in _SHIFTED:  # element = plane[n-1] << 8 ... | plane[0], built in place
-        elements = out.view(_UNSIGNED[element_size])
-        np.copyto(elements, planes[element_size - 1])
-        for k in range(element_size - 2, -1, -1):
-            np.left_shift(elements, 8, out=elements)
-            np.bitwise_or(elements, planes[k], out=elements)
-        return out
-    elements = out.reshape(-1, element_size)
-    for k in range(element_size):
-        elements[:, k] = planes[k]
-    return out
-
-
-def sub_delta(raw: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
-    """zigzag(raw - base), element by element as wrapping integers of `element_size` bytes.
-
-    Neighbouring checkpoints' floats differ by a few units in the last place: as integers their
-    difference is small, its high bytes zero once zigzag moves the sign to the lowest bit. XOR
-    smears a carry across every bit below it; measured on AdamW state 10 steps apart this codes
-    fp32 weights to 0.69 of raw (XOR 0.72), exp_avg_sq 0.65 (0.73), bf16 weights 0.39 (0.44)."""
-    u, i = _UNSIGNED[element_size], _SIGNED[element_size]
-    d = np.subtract(raw.view(u), base.view(u), out=out.view(u))
-    sign = np.right_shift(d.view(i), 8 * element_size - 1, out=scratch(out.size, "sign").view(i))  # 0 or -1
-    np.left_shift(d, 1, out=d)
-    np.bitwise_xor(d, sign.view(u), out=d)
-    return out
-
-
-def undo_sub_delta(delta: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
-    """Inverse of sub_delta: out = base + unzigzag(delta). `delta` is overwritten; `out` may be
-    `base` itself (a chain is applied level by level in one buffer)."""
-    u = _UNSIGNED[element_size]
-    d = delta.view(u)
-    low = np.bitwise_and(d, 1, out=scratch(delta.size, "sign").view(u))
-    np.negative(low, out=low)  # 0 or all ones
-    np.right_shift(d, 1, out=d)
-    np.bitwise_xor(d, low, out=d)
-    np.add(d, base.view(u), out=out.view(u))
-    return out
-
-
-def motion_of(raw: np.ndarray, base: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:
-    """raw - base per element, as wrapping integers: how far an object moved from its base. With
-    the motion of a delta's base, the next checkpoint's chunk is predicted by `linear_prediction`."""
-    u = _UNSIGNED[element_size]
-    np.subtract(raw.view(u), base.view(u), out=out.view(u))
-    return out
-
-
-def linear_prediction(base: np.ndarray, motion: np.ndarray, element_size: int, shift: int,
-                      out: np.ndarray) -> np.ndarray:
-    """base + motion / 2**shift per element (the quotient rounded toward zero), as wrapping
-    signed integers: the base moved by `motion` since its own base, and is predicted to move as
-    much again (shift 0) or half as much (1). Training moves weights smoothly, so the raw bytes
-    sit closer to this than to the base. Rounding toward zero keeps a one-unit motion at zero
-    either way (flooring made bf16 weights 0.2 points larger). `out` may be `motion`."""
-    i = _SIGNED[element_size]
-    m = motion.view(i)
-    if shift:
-        fix = np.right_shift(m, 8 * element_size - 1, out=scratch(motion.size, "round").view(i))  # 0 or -1
-        np.bitwise_and(fix, (1 << shift) - 1, out=fix)  # what a negative motion needs added to truncate
-        step = np.add(m, fix, out=out.view(i))
-        np.right_shift(step, shift, out=step)
-    else:
-        step = m
-    np.add(step, base.view(i), out=out.view(i))
-    return out
-
-
 @dataclass(frozen=True)
 class Encoded:
     """An encoded object: [header, payload] parts (written without concatenating), and the key
@@ -209,7 +105,7 @@ class Encoded:
 def can_delta(element_size: int) -> bool:
     """Whether elements of this size may be coded as deltas: `sub` and `linear` work on 1-, 2-, 4-
     and 8-byte integers, so wider ones (numpy float128, complex256) are written whole."""
-    return element_size in _UNSIGNED
+    return element_size in INTEGER_SIZES
 
 
 def checked_level(level) -> int:
@@ -510,7 +406,7 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
         if fmt < STAGE_FORMAT.get(sid, 1):
             raise CorruptionError(f"object of format {fmt} names the {STAGE_NAMES[sid]} stage, which format "
                                   f"{STAGE_FORMAT[sid]} introduced", key=name)
-        if sid in (STAGE_SUB, STAGE_LINEAR) and (arg not in _UNSIGNED or raw_size % arg):
+        if sid in (STAGE_SUB, STAGE_LINEAR) and (arg not in INTEGER_SIZES or raw_size % arg):
             raise CorruptionError(f"object has an invalid delta element size {arg}", key=name)
         if sid in DELTA_STAGES:
             if base is not None or stages or len(data) < offset + KEY_SIZE + (sid == STAGE_LINEAR):

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from cas import faults
-from cas.codecs import scratch
+from cas.transforms import scratch
 from cas.chains import last_below
 from cas.errors import CorruptionError
 from cas.objectstore import ObjectStore, WriteSession

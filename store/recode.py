@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cas import faults
-from cas.codecs import decode_into, parse_header, scratch
+from cas.codecs import decode_into, parse_header
+from cas.transforms import scratch
 from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_PACK
 

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cas.codecs import group_bytes, linear_prediction, motion_of, sub_delta, undo_sub_delta, ungroup_bytes
+from cas.transforms import group_bytes, linear_prediction, motion_of, sub_delta, undo_sub_delta, ungroup_bytes
 
 
 def planes_by_definition(raw: np.ndarray, element_size: int) -> np.ndarray:
