@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from .chains import MAX_CHAIN_DECODE, decode_chain, walk_chain
-from .codecs import CodecPolicy, parse_header
+from .codecs import CodecPolicy, Header, parse_header
 from .crypt import namer_of
 from .errors import CorruptionError, MissingObjectError
 from .index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
@@ -25,6 +25,7 @@ __all__ = ["DEFAULT_PACK_MAX", "LEASE_PREFIX", "MAX_CHAIN_DECODE", "ObjectStore"
            "lease_name"]
 
 DEFAULT_PACK_MAX = None  # None: every object goes into packs; N: encoded objects above N bytes get files
+HEADER_READ = 256  # bytes of an object that hold its codec header (a delta's base key and shift included)
 RECHAIN_ATTEMPTS = 3  # decodes of an object along a chain looked up again because it moved meanwhile
 
 
@@ -147,6 +148,15 @@ class ObjectStore:
                       check_each: bool, decoded: dict[bytes, np.ndarray]) -> np.ndarray:
         return decode_chain(chain, self.fetch, out, verify=verify, check_each=check_each, decoded=decoded,
                             namer=self.namer)
+
+    def header_at(self, key: bytes, rec: ObjectRecord) -> Header:
+        """The codec header of the copy of `key` that `rec` places (a pack entry or its file),
+        read alone: which kind of delta a copy is, without decoding it."""
+        if rec.where == WHERE_PACK:
+            data = self.packs.read(rec.pack, rec.offset, min(rec.stored_size, HEADER_READ), key)
+        else:
+            data = self.files.head(key, HEADER_READ)
+        return parse_header(data, key=key)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name

@@ -72,12 +72,18 @@ class WriteSession(Moves):
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
+        self.reused: set[bytes] = set()  # the keys claim() found stored before this session
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
         self._recoded: set[bytes] = set()  # moves that make a full object a delta (write_recoded)
         self._relinked: dict[bytes, bytes] = {}  # delta -> its base's base, re-coded against both (write_relinked)
         self.recoded: set[bytes] = set()  # of those, the ones the commit indexes (known inside it)
         self.relinked: set[bytes] = set()  # the relinked objects the commit indexes (known inside it)
+        self._sources: dict[bytes, ObjectRecord] = {}  # the record each write_encoded copy was read as
+        self._wholes: set[bytes] = set()  # deltas made whole again (write_whole_again)
+        self._unlinked: set[bytes] = set()  # `linear` deltas coded again as `sub` (write_unlinked)
+        self._rebased: dict[bytes, bytes] = {}  # delta -> the base it was coded away from (write_rebased)
+        self.promoted: set[bytes] = set()  # of the wholes, the ones the commit indexes (known inside it)
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         # Packs written as objects arrive (local stores): the open one, every one not yet
@@ -146,7 +152,9 @@ class WriteSession(Moves):
         with self._lock:
             for key, ok in zip(keys, stored):
                 out.append(ok or key in self._claimed)
-                if not ok:
+                if ok:
+                    self.reused.add(key)
+                else:
                     self._claimed.add(key)
         return out
 
@@ -432,8 +440,10 @@ class WriteSession(Moves):
         if key in self._recoded and not self._recode_stands(txn, key, current, rec, chosen, bases):
             return None
         if key in self._moves and key not in self._recoded and current is not None:
-            if current.base != rec.base:  # a recode re-encoded it since this copy was read:
-                return None  # a `linear` delta above may need its base as it is now
+            source = self._sources.get(key)
+            if current.base != rec.base or (source is not None and not current.same_copy(source)):
+                return None  # another writer moved or re-encoded it since this copy was read: a
+                # `linear` delta above may need its base as it is now, and a promotion its `sub` copy
             rec = dataclasses.replace(rec, depth=current.depth)  # a recode may have deepened its chain since
         rotten = key not in self._moves and self._rotten(txn, key, current)
         if (current is not None and current != rec and key not in self._moves and not rotten
@@ -499,7 +509,7 @@ class WriteSession(Moves):
             by_key: dict[bytes, ObjectRecord] = {}  # what this commit indexes, as it goes
             bases: set[bytes] = set()  # the delta bases of those
             for key, rec in self._written.items():
-                if key in self._relinked:
+                if key in self._relinked or key in self._wholes or key in self._unlinked or key in self._rebased:
                     continue  # after the rest: its base may be recoded by this commit
                 current = self.index.record(txn, key)
                 chosen = self._settle(txn, key, rec, current, key in replacements, by_key, bases)
@@ -516,7 +526,10 @@ class WriteSession(Moves):
                         chosen = self._relink_stands(txn, key, self.index.record(txn, key), rec, by_key)
                         if chosen is not None:
                             settled.append((key, chosen))
+            if self._wholes or self._unlinked or self._rebased:
+                settled += self._settle_promotions(txn, by_key)
             self.recoded = {key for key, _ in settled if key in self._recoded}  # for `finish` to see
+            self.promoted = {key for key, rec in settled if key in self._wholes and rec.base is None}
             self.relinked = {key for key, _ in settled if key in self._relinked}
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:

@@ -36,7 +36,6 @@ from .records import entry_name
 from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
 
-HEADER_READ = 256  # bytes of an object that hold its codec header (a delta's base key and shift included)
 
 SCAN_THREADS = 16  # ranged reads of pack footers in flight while a cache is rebuilt
 
@@ -366,7 +365,7 @@ def choose_copies(copies: dict[bytes, list[ObjectRecord]], old: dict[bytes, Obje
     out = {}
     for key, recs in copies.items():
         prev = old.get(key)
-        same = [r for r in recs if prev is not None and _same_copy(r, prev) and rank(r) < 2]
+        same = [r for r in recs if prev is not None and r.same_copy(prev) and rank(r) < 2]
         out[key] = same[0] if same else min(recs, key=rank)
     if extrapolates is not None:
         _keep_extrapolated_bases(copies, out, extrapolates)
@@ -387,15 +386,22 @@ def _keep_extrapolated_bases(copies: dict[bytes, list[ObjectRecord]], out: dict[
     """Give each base chosen whole its delta copy where a `linear` delta stands on it (the
     relinks of store/recode.py: coded against the base's delta copy, whose own base they read).
     Headers are read only where a base has both kinds of copy on disk (a duplicate a second
-    writer left, until gc compacts it)."""
-    for key, rec in list(out.items()):
-        base = rec.base
-        if base is None or base not in out or out[base].base is not None:
-            continue
-        deltas = [r for r in copies.get(base, []) if r.base is not None and _reaches_full(out, r.base)
-                  and base not in _chain_keys(out, r.base)]
-        if deltas and extrapolates(key, rec):
-            out[base] = deltas[0]
+    writer left, or the copies a recode's promotion superseded, until gc compacts them). Until
+    nothing changes: a base given its delta copy may be a `linear` delta itself, whose own base
+    then needs the same (a promotion leaves whole and delta copies on two levels)."""
+    changed = True
+    while changed:
+        changed = False
+        for key, rec in list(out.items()):
+            rec = out[key]
+            base = rec.base
+            if base is None or base not in out or out[base].base is not None:
+                continue
+            deltas = [r for r in copies.get(base, []) if r.base is not None and _reaches_full(out, r.base)
+                      and base not in _chain_keys(out, r.base)]
+            if deltas and extrapolates(key, rec):
+                out[base] = deltas[0]
+                changed = True
 
 
 def _chain_keys(records: dict[bytes, ObjectRecord], key: bytes) -> set[bytes]:
@@ -411,11 +417,7 @@ def _extrapolates(objects, key: bytes, rec: ObjectRecord) -> bool:
     """Whether the copy `rec` of object `key` is a `linear` delta (read from its header; an
     unreadable one is not: the load reports it)."""
     try:
-        if rec.where == WHERE_PACK:
-            data = objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, HEADER_READ), key)
-        else:
-            data = objects.files.get(key)
-        return parse_header(data, key=key).needs_below
+        return objects.header_at(key, rec).needs_below
     except CasError:
         return False
 
@@ -429,11 +431,6 @@ def _reaches_full(records: dict[bytes, ObjectRecord], key: bytes) -> bool:
             return True
         key = rec.base
     return False
-
-
-def _same_copy(rec: ObjectRecord, prev: ObjectRecord) -> bool:
-    return (rec.where == prev.where and rec.base == prev.base and rec.stored_size == prev.stored_size
-            and (rec.where == WHERE_FILE or (rec.pack == prev.pack and rec.offset == prev.offset)))
 
 
 def set_depths(records: dict[bytes, ObjectRecord]) -> None:

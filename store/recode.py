@@ -24,6 +24,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def plan(previous: dict[str, TensorBases], current: dict[str, TensorBases], max_
         for i, (x, y) in enumerate(zip(prev.keys, cur.keys)):
             tail = prev.tails[i] if prev.tails is not None else None
             if x == y:
-                cur.tails[i] = list(tail or [])
+                cur.tails[i] = None if tail is None else list(tail)  # unknown stays unknown
                 continue
             if x in newest:
                 continue
@@ -110,6 +111,7 @@ class Recoder:
         self._lock = threading.Lock()
         self.recoded = 0  # objects made deltas so far (for tests and `bench`)
         self.relinked = 0  # deltas coded again as `linear` ones so far
+        self.promoted = 0  # chunks of a newest checkpoint made whole again so far
 
     def busy(self) -> bool:
         with self._lock:
@@ -117,19 +119,30 @@ class Recoder:
             return bool(self._pending)
 
     def submit(self, previous: dict, current: dict, max_chain: int, label: str,
-               released=None) -> concurrent.futures.Future:
+               released=None, reused: set[bytes] | None = None) -> concurrent.futures.Future:
         """Recode `previous`'s replaced chunks against `current`'s, after what is queued;
-        `released(previous)` runs when done (its buffers may be reused)."""
+        `released(previous)` runs when done (its buffers may be reused). `reused`: the chunks the
+        save found stored already (None: not known, as for a DCP coordinator)."""
         def run() -> None:
             try:
-                count, packs, above = recode(self.objects, plan(previous, current, max_chain), self._pool, label)
+                older = _came_back(previous, current, reused)
+                promoted, clean, children = promote(self.objects, current, self._pool, label, self._compact, older)
+                self.promoted += len(promoted)
+                # chains no tail counts: the deltas that stood on a chunk before it came back
+                unseen = ({key for key in older if children.get(key)} | promoted) - clean
+                for prev in previous.values():  # the promoted chunks are spliced out of the chains
+                    if prev.tails is not None and promoted:
+                        prev.tails = [None if t is None else [k for k in t if k not in promoted] for t in prev.tails]
+                pairs = plan(previous, current, max_chain)
+                for cur in current.values():  # unknown (None): the chunk stays whole when replaced
+                    cur.tails = [None if key in unseen else [] if key in clean else tail
+                                 for key, tail in zip(cur.keys, cur.tails)]
+                count, packs, above = recode(self.objects, pairs, self._pool, label)
                 self.recoded += count
-                if packs and self.on_recoded is not None:
-                    self.on_recoded(packs)  # compaction: the recoded chunks' whole copies go
+                self._compact(packs)  # the recoded chunks' whole copies go
                 count, packs = relink(self.objects, above, self._pool, label)
                 self.relinked += count
-                if packs and self.on_recoded is not None:
-                    self.on_recoded(packs)
+                self._compact(packs)
             except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
                 for cur in current.values():
                     cur.tails = [[] for _ in cur.keys]
@@ -139,6 +152,11 @@ class Recoder:
                 if released is not None:
                     released(previous)
         return self.then(run)
+
+    def _compact(self, packs: set[bytes]) -> None:
+        """Compact the packs in which a recode left dead entries (their space comes back at once)."""
+        if packs and self.on_recoded is not None:
+            self.on_recoded(packs)
 
     def then(self, task) -> concurrent.futures.Future:
         """Run `task()` on the recode thread once every job queued now has ended (the task
@@ -186,10 +204,14 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
         def finish(txn) -> set[bytes]:
             faults.point("recode.in_txn")
             for key in session.recoded:  # the older chunks below it are one level deeper now
+                above = key
                 for depth, below in enumerate(by_key[key].tail, start=2):
                     rec = objects.index.record(txn, below)
-                    if rec is not None and rec.base is not None and rec.depth != depth:
+                    if rec is None or rec.base != above:  # the chain ends here (a promotion cut it)
+                        break
+                    if rec.depth != depth:
                         objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
+                    above = below
             return set(session.recoded)
 
         settled = session.commit(finish) if written or rewritten else set()
@@ -197,7 +219,8 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
     for key in settled:
         p = by_key[key]
         cur, i = p.where
-        cur.tails[i] = [p.key] + p.tail
+        if cur.tails[i] is not None:  # (None: other chains hang on the newer chunk, of unknown length)
+            cur.tails[i] = [p.key] + p.tail
     moved = settled | {key for key in rewritten if objects.record(key) != before[key]}
     _remove_superseded(objects, moved)
     packs = {rec.pack for key in moved if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
@@ -229,6 +252,125 @@ def _recode_one(objects, session, p: Pair, rec) -> str | None:
         return None
     session.write_encoded(p.key, b"".join(bytes(part) for part in enc.parts), replace(rec, depth=0), pack_only=True)
     return "whole"
+
+
+def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, label: str,
+            compact: Callable[[set[bytes]], None],
+            older: set[bytes]) -> tuple[set[bytes], set[bytes], dict[bytes, list[bytes]]]:
+    """Make whole again the chunks of the newest checkpoint that are deltas: content of an older
+    checkpoint that came back (a run resumed from an earlier step saving what it saved before,
+    a rollback), which a recode made a delta of the chunk that followed it. The newest must
+    decode without a chain. Each such chunk is spliced out of the chains that ran through it:
+    the deltas recorded against it are coded against its base instead (so no chain grows, and
+    the positions' tails, less the spliced chunk, still count every chain). Two sessions, as a
+    recode and its relink: first each `linear` delta standing on one of those (it reads that
+    one's base) is coded again as `sub`; then, only where that `linear` copy is gone from disk
+    (`compact` removed its pack, or its file went), the splice. So an index rebuilt from disk at
+    any point finds no `linear` copy beside a rebased base. Each move stands only as
+    WriteSession._settle_promotions judges it inside its commit. `older`: chunks of the newest
+    that were stored before it (whole ones too may have deltas standing on them). Returns the
+    promoted chunks, those of them on which no delta was left, and the deltas recorded against
+    each chunk of `older` before the promotion (empty when no chunk came back)."""
+    group: dict[bytes, int] = {}
+    for cur in current.values():
+        for key in cur.keys:
+            group.setdefault(key, cur.group)
+    with objects.index.read() as txn:
+        came_back = {key: rec.base for key in group if (rec := objects.index.record(txn, key)) is not None
+                     and rec.base is not None}
+        if not came_back and not older:
+            return set(), set(), {}
+        children = objects.index.delta_children(txn)
+    if not came_back:
+        return set(), set(), children
+    rebases = {child: (base, key) for key, base in came_back.items()  # child -> (new base, old base)
+               for child in children.get(key, ()) if child not in came_back}
+    unlinks = {child: key for key in rebases for child in children.get(key, ())
+               if child not in came_back and child not in rebases and _linear(objects, child)}
+    for key, (_, above) in rebases.items():
+        group.setdefault(key, group[above])
+    for key, above in unlinks.items():
+        group.setdefault(key, group[above])
+    if unlinks:
+        moved, before = _move(objects, pool, f"unlink {label}", {k: ("unlink", b, None) for k, b in unlinks.items()},
+                              group, "recode.unlink_encoded")
+        faults.point("recode.unlinked")
+        compact(_packs_of(before, moved))
+        blocked = {unlinks[k] for k in unlinks if k not in moved or not _gone(objects, k, before[k])}
+        rebases = {k: v for k, v in rebases.items() if k not in blocked}
+    moves = {k: ("whole", None, None) for k in came_back} | {k: ("rebase", b, old) for k, (b, old) in rebases.items()}
+    moved, before = _move(objects, pool, f"promote {label}", moves, group, "recode.promote_encoded")
+    faults.point("recode.promoted")
+    compact(_packs_of(before, moved))
+    promoted = {key for key in came_back if key in moved}
+    return promoted, {key for key in promoted if all(c in moved for c in children.get(key, ()))}, children
+
+
+def _move(objects, pool: ThreadPoolExecutor, purpose: str, moves: dict[bytes, tuple], group: dict[bytes, int],
+          point: str) -> tuple[set[bytes], dict]:
+    """Code each object of `moves` again in one write session: ("whole", None, None) whole,
+    with the fast float parameters (the newest); ("rebase", base, old base) or ("unlink", base,
+    None) as a `sub` delta of `base`, whatever it saves (a chain's edges must hold). Returns the
+    objects whose record the commit moved and each one's record before."""
+    with objects.session(purpose) as session:
+        keys = list(moves)
+        held = dict(zip(keys, session.hold(keys + [b for _, b, _ in moves.values() if b is not None])))
+        before = {key: objects.record(key) for key in keys if held[key]}
+
+        def move(key: bytes) -> None:
+            (kind, base, old_base), rec = moves[key], before[key]
+            try:
+                raw = objects.get(key, scratch(rec.raw_size, "recode older"))
+                base_raw = objects.get(base, scratch(rec.raw_size, "recode newer")) if base is not None else None
+            except CorruptionError:  # damage is verify's to report; this one stays as it is
+                return
+            if base is None:
+                enc = objects.codec.encode(raw, group[key])
+                session.write_whole_again(key, b"".join(bytes(part) for part in enc.parts), rec.raw_size)
+                return
+            enc = objects.codec.encode(raw, group[key], (base, base_raw), margin=float("inf"))
+            if enc.base != base:  # it does not code as a delta at all: left as it is
+                return
+            blob = b"".join(bytes(part) for part in enc.parts)
+            if kind == "rebase":
+                session.write_rebased(key, blob, rec.raw_size, base, old_base)
+            else:
+                session.write_unlinked(key, blob, rec.raw_size, base)
+
+        list(pool.map(move, list(before)))
+        faults.point(point)
+        session.commit(lambda txn: None)
+    moved = {key for key in before if (rec := objects.record(key)) != before[key] and rec is not None
+             and rec.base == moves[key][1]}  # (what another writer moved meanwhile is not ours)
+    _remove_superseded(objects, moved)
+    return moved, before
+
+
+def _packs_of(before: dict, moved: set[bytes]) -> set[bytes]:
+    """The packs that held the copies `moved` superseded (dead entries now, to compact)."""
+    return {rec.pack for key in moved if (rec := before[key]) is not None and rec.where == WHERE_PACK}
+
+
+def _came_back(previous: dict[str, TensorBases], current: dict[str, TensorBases],
+               reused: set[bytes] | None) -> set[bytes]:
+    """The chunks of `current` that replaced another at their position and were stored before
+    the save (in `reused`; every such chunk when that is not known): content that came back,
+    on which deltas may stand that no position's tail counts."""
+    out = set()
+    for path, cur in current.items():
+        prev = previous.get(path)
+        before = prev.keys if prev is not None and len(prev.keys) == len(cur.keys) else [None] * len(cur.keys)
+        out.update(y for x, y in zip(before, cur.keys) if x != y and (reused is None or y in reused))
+    return out
+
+
+def _linear(objects, key: bytes) -> bool:
+    """Whether the indexed copy of `key` is a `linear` delta (an unreadable one is left alone)."""
+    rec = objects.record(key)
+    try:
+        return rec is not None and objects.header_at(key, rec).needs_below
+    except CasError:
+        return False
 
 
 def relink(objects, recoded: list[tuple[Pair, object]], pool: ThreadPoolExecutor, label: str) -> tuple[int, set]:
@@ -308,8 +450,9 @@ def _remove_superseded(objects, keys) -> None:
 def bases_of_checkpoint(store, ck, max_chain: int) -> dict[str, TensorBases]:
     """Keys-only bases of checkpoint `ck`'s floating tensors, each chunk's tail read from the
     checkpoints before it (commit order) and the index: the chunk at the same position one
-    checkpoint back is in the tail while its record names the chunk above it as its base. What a
-    reopened store (or a DCP coordinator, which keeps nothing between saves) recodes from."""
+    checkpoint back is in the tail while its record names the chunk above it as its base (one
+    that does not is passed over: a promotion splices chunks out of chains). What a reopened
+    store (or a DCP coordinator, which keeps nothing between saves) recodes from."""
     current = from_nodes([(p, leaf.node) for p, leaf in store.reader(ck.step).tensor_leaves().items()])
     older = sorted((c for c in store.checkpoints() if c.seq < ck.seq), key=lambda c: c.seq, reverse=True)
     history = []
@@ -330,8 +473,8 @@ def bases_of_checkpoint(store, ck, max_chain: int) -> dict[str, TensorBases]:
                 if below == above:
                     continue
                 rec = store.objects.record(below)
-                if rec is None or rec.base != above:
-                    break
+                if rec is None or rec.base != above:  # not on this chain (a chunk a promotion spliced out)
+                    continue
                 tail.append(below)
                 above = below
             cur.tails.append(tail)

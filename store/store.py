@@ -52,6 +52,7 @@ class _SaveJob:
     leaves: list
     created: float
     replacing: bool = False  # the commit swaps out a checkpoint at the same step (save(replace=True))
+    reused: set = dataclasses.field(default_factory=set)  # chunk keys the save found stored already
 
 
 class CheckpointStore(CacheKeeping):
@@ -282,7 +283,7 @@ class CheckpointStore(CacheKeeping):
                 self._buffers.give(previous)
             else:
                 self._recoder.submit(previous, current, self.max_chain, f"the checkpoint before step {job.step}",
-                                     released=self._buffers.give)
+                                     released=self._buffers.give, reused=job.reused)
             return ck
 
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
@@ -338,6 +339,7 @@ class CheckpointStore(CacheKeeping):
                 self.ensure_cache()
             pipeline.write_tensors(session, job.leaves, self._pool, self.window_bytes, bases, self.max_chain,
                                    self._hash_pool)
+            job.reused.update(session.reused)
             faults.point("save.chunks_written")
             remembering = self._hash_pool.submit(remember, session.delta_bases()) if remember else None
             try:

@@ -20,7 +20,7 @@ from helpers import wait_for
 from test_delta import FLOATS, chains, next_state
 from test_gc import assert_exactly_reachable
 from test_truth import drop_index_files
-from workers import drifting, smooth, tensor
+from workers import comeback, drifting, smooth, tensor
 
 import cas
 from cas import faults
@@ -32,6 +32,7 @@ from cas.store.tensors import TORCH_DTYPES
 WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
 RECODE_POINTS = ["recode.encoded", "recode.in_txn", "recode.committed", "recode.files_removed"]
 RELINK_POINTS = ["recode.relink_encoded", "recode.relinked"]
+PROMOTE_POINTS = ["recode.unlink_encoded", "recode.unlinked", "recode.promote_encoded", "recode.promoted"]
 
 
 def records(store) -> dict:
@@ -273,6 +274,72 @@ def test_a_gc_move_read_before_a_recode_does_not_undo_it(tmp_path):
         assert store.verify().ok
 
 
+def test_content_that_comes_back_is_made_whole_in_the_newest(tmp_path):
+    """A run resumed from an earlier step saves again what it saved before, whose chunks its
+    recodes made deltas of the chunks that followed. The newest checkpoint must decode without
+    a chain, so they are made whole again and spliced out of the chains through them (the
+    deltas recorded against them are coded against their bases instead; a `linear` delta
+    standing on one of those, which read its base, is coded again as `sub`): every step
+    restores bit for bit, every chain stays within max_chain and every recorded depth is its
+    chain's, also after a reopen, a deletion, gc and an index rebuilt from disk."""
+    path = tmp_path / "d"
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(7):
+            store.save(comeback(step), step=step)
+            store.wait()
+            assert_chains(store, 8)  # step 6 (smooth(2) again) included: the newest is whole
+        assert store._recoder.promoted == len(w_chunks_of(store, 6))  # every chunk of w; b is no delta
+        # smooth(2) is spliced out of the chain 0 -> 1 -> 2 -> 3: step 1 is coded against step 3
+        # instead, and step 0, a `linear` delta of step 1 (reading step 1's base), as `sub`
+        recs = records(store)
+        assert [recs[k].base for k in w_chunks_of(store, 1)] == w_chunks_of(store, 3)
+        assert [recs[k].base for k in w_chunks_of(store, 0)] == w_chunks_of(store, 1)
+        assert [store.objects.codec_of(w_chunks_of(store, s)[0]).split("+")[0] for s in (0, 1, 2)] == \
+            ["sub4", "sub4", "bytegroup4"]
+    with cas.open(path) as store:  # a reopen: the chains are read back from the index
+        for step in (7, 8):
+            store.save(comeback(step), step=step)
+            store.wait()
+            assert_chains(store, 8)
+        for step in range(9):
+            assert_bits(store.load(step), comeback(step))
+        assert store.verify().ok
+        store.delete([3])
+        store.gc()
+        assert_exactly_reachable(store)
+    drop_index_files(path)
+    with cas.open(path) as store:
+        assert_chains(store, 8)
+        for step in set(range(9)) - {3}:
+            assert_bits(store.load(step), comeback(step))
+        assert store.verify().ok
+
+
+def test_a_gc_move_read_before_a_promotion_does_not_undo_it(tmp_path):
+    """A promotion codes a `linear` delta again as `sub` on the same base (now whole): gc's copy
+    of the `linear` entry, read before, names the same base, so the base check alone let it
+    stand, and the older checkpoint could not decode. A move stands only while the index still
+    places the copy it read."""
+    with cas.open(tmp_path / "d", chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(6):
+            store.save(comeback(step), step=step)
+            store.wait()
+        key = w_chunks_of(store, 0)[0]
+        stale, blob = store.objects.record(key), bytes(store.objects.fetch(key))
+        assert store.objects.codec_of(key).startswith("linear")
+        store.save(comeback(6), step=6)  # smooth(2) again: spliced out, step 0 `sub` on step 1
+        store.wait()
+        assert store.objects.codec_of(key).startswith("sub")
+        with store.objects.session("gc repack") as session:
+            session.hold([key])
+            session.write_encoded(key, blob, stale)
+            session.commit(lambda txn: None)
+        assert store.objects.codec_of(key).startswith("sub")
+        for step in range(7):
+            assert_bits(store.load(step), comeback(step))
+        assert store.verify().ok
+
+
 def test_a_copied_linear_delta_whose_base_the_destination_holds_whole_is_coded_again(tmp_path):
     """push copies objects as they are encoded; a `linear` delta reads its base's base, so where
     the destination holds that base otherwise (whole, saved there itself) it is coded again."""
@@ -310,17 +377,19 @@ def test_a_reopened_store_recodes_the_latest_checkpoint_knowing_its_chain(tmp_pa
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from(FLOATS), chain=chains, rows=st.sampled_from([40, 300]),
-       removed=st.sets(st.integers(0, 6)), memory=st.sampled_from([None, 0]), max_chain=st.sampled_from([1, 2, 4]))
+       removed=st.sets(st.integers(0, 6)), memory=st.sampled_from([None, 0]), max_chain=st.sampled_from([1, 2, 4]),
+       back=st.dictionaries(st.integers(2, 6), st.integers(0, 4), max_size=2))
 def test_any_series_restores_bit_for_bit_after_gc_removed_any_subset(tmp_path_factory, dtype, chain, rows,
-                                                                     removed, memory, max_chain):
-    """memory 0: no bytes kept in memory; every recode reads both chunks back from the store."""
+                                                                     removed, memory, max_chain, back):
+    """memory 0: no bytes kept in memory; every recode reads both chunks back from the store.
+    back: steps that save an earlier step's tensor again (content that comes back)."""
     path = tmp_path_factory.mktemp("recode") / "s"
     torch.manual_seed(0)
     t = torch.randn(rows, 512).to(TORCH_DTYPES[dtype])
     history, prev = {}, None
     with cas.open(path, chunk_size=64 << 10, pack_max=4096, max_chain=max_chain, delta_memory=memory) as store:
         for step, spec in enumerate(chain):
-            t, prev = next_state(t, prev, *spec), t
+            t, prev = (history[back[step]].clone() if back.get(step, step) < step else next_state(t, prev, *spec)), t
             store.save({"w": t, "n": step}, step=step)
             history[step] = t.clone()
         store.wait()
@@ -356,6 +425,37 @@ def test_a_kill_at_every_phase_of_a_recode_loses_nothing(tmp_path, point):
         assert_chains(store, store.max_chain)
         for step in range(4):
             assert torch.equal(store.load(step)["w"], drifting(step)["w"])
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+
+
+@pytest.mark.parametrize("lose_index", [False, True])
+@pytest.mark.parametrize("point", PROMOTE_POINTS)
+def test_a_kill_at_every_phase_of_a_promotion_loses_nothing(tmp_path, point, lose_index):
+    """A kill while the chunks that came back in step 6 are made whole again (before or after
+    its commit, the superseded copies still on disk), even with the index then rebuilt from
+    disk (both copies of two levels lie there), loses nothing, and the series goes on whole."""
+    path = tmp_path / "s"
+    env = dict(os.environ, CAS_FAULTS=f"{point}=kill")
+    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), "9", "comeback"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    if lose_index:
+        drop_index_files(path)
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        assert [ck.step for ck in store.checkpoints()] == list(range(7))
+        for step in range(7):
+            assert_bits(store.load(step), comeback(step))
+        assert store.verify().ok
+        store.gc()
+        assert_exactly_reachable(store)
+        for step in (7, 8):
+            store.save(comeback(step), step=step)
+            store.wait()
+        assert_chains(store, store.max_chain)
+        for step in range(9):
+            assert_bits(store.load(step), comeback(step))
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)

@@ -141,10 +141,17 @@ def smooth(step: int) -> dict:
     return {"w": w, "b": tensor(50 + step, rows=2)}
 
 
+def comeback(step: int) -> dict:
+    """smooth(0..5), then smooth(2), smooth(3), ...: a run resumed from step 2 saving again
+    what it saved before (steps 6 on hold content its recodes made deltas)."""
+    return smooth(step if step < 6 else step - 4)
+
+
 def recode_series(path: str, steps: str, series: str = "drifting") -> None:
-    """Save drifting(0..steps-1) (or smooth) with the default (reverse) deltas, each recode
-    finished before the next save, so a fault point in a recode stops the series at a known step."""
-    state = {"drifting": drifting, "smooth": smooth}[series]
+    """Save drifting(0..steps-1) (or smooth, or comeback) with the default (reverse) deltas, each
+    recode finished before the next save, so a fault point in a recode stops the series at a
+    known step."""
+    state = {"drifting": drifting, "smooth": smooth, "comeback": comeback}[series]
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
         for step in range(int(steps)):
             store.save(state(step), step=step)
