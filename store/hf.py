@@ -17,7 +17,8 @@ reads, in a temporary folder, and trains from it, so the Trainer's own resume lo
 skipping, RNG, schedules) runs unchanged.
 
 The Trainer still writes its checkpoint-N folders; keep_folders=False removes each one once the
-store holds it. The store's retention (cas.open(path, retention=Retention(keep_last=3))), not
+store holds it, except the best one while load_best_model_at_end needs it (the Trainer loads the
+best model from that folder when training ends). The store's retention (cas.open(path, retention=Retention(keep_last=3))), not
 save_total_limit, decides which stored checkpoints stay. A store opens once per process: to
 resume in the process that trained, pass the callback's open store (callback.store). Single
 process (or data parallel, saved by the main process) only: FSDP and DeepSpeed shard state that
@@ -84,6 +85,7 @@ class CasCallback(TrainerCallback):
         (retention= included)."""
         self.store, _ = given_or_opened(store, **options)
         self.keep_folders = keep_folders
+        self._kept_best: str | None = None  # the best checkpoint's folder, kept for load_best_model_at_end
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None,
                 optimizer=None, lr_scheduler=None, **kwargs) -> None:
@@ -95,8 +97,16 @@ class CasCallback(TrainerCallback):
                          "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)},
                         step=state.global_step, metrics=_metrics(state), replace=True)
         if not self.keep_folders:
-            shutil.rmtree(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
-                          ignore_errors=True)
+            self._remove_folders(args, state)
+
+    def _remove_folders(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Remove the folder this save wrote, and a best one kept before that is best no more."""
+        best = state.best_model_checkpoint if args.load_best_model_at_end else None
+        best = os.path.realpath(best) if best else None
+        folder = os.path.realpath(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+        for old in {folder, self._kept_best} - {best, None}:
+            shutil.rmtree(old, ignore_errors=True)
+        self._kept_best = best
 
 
 def checkpoint_folder(store: str | os.PathLike | CheckpointStore, folder: str, step: int | None = None) -> str:

@@ -186,7 +186,8 @@ def read_marker(path: str) -> Marker | None:
         why = ("not a zip archive" if isinstance(exc, zipfile.BadZipFile)
                else f"no field {exc}" if isinstance(exc, KeyError) else str(exc))
         raise CasError(f"{path} is not a cas checkpoint marker ({why}); CasCheckpointIO loads only checkpoints "
-                       "of its store (`cas import` brings a torch.save file into one)") from None
+                       "of its store: to resume from a torch.save file, import it (`cas --store STORE import "
+                       "FILE --step N`) and pass ckpt_path=CasCheckpointIO.path_for(N) ('step=N.ckpt')") from None
     return marker
 
 
@@ -358,7 +359,13 @@ class CasCheckpointIO(CheckpointIO):
         name = os.path.basename(local)
         found = _STEP_IN_NAME.findall(name)
         if found:
-            return int(found[-1])
+            step = int(found[-1])
+            if not self.store.exists(step):
+                raise CheckpointNotFoundError(
+                    f"no checkpoint for {given!r}: no marker is there (Lightning removes the files of checkpoints "
+                    f"it no longer keeps, save_top_k), and the store at {self.store.path} has no checkpoint with "
+                    f"step {step}, the step its name gives")
+            return step
         latest = self.store.latest() if name.startswith("last") else None
         if latest is not None:
             return latest.step
@@ -447,7 +454,7 @@ def _plain(value):
 # imports it gets torch.load's error naming what the file is, or can use cas_url(path).
 def _loading_markers_too(original):
     def load(path_or_url, map_location=None, weights_only=None):
-        if isinstance(path_or_url, (str, os.PathLike)) and _small_local_file(path_or_url) and _is_marker(
+        if isinstance(path_or_url, (str, os.PathLike)) and _small_file(path_or_url) and _is_marker(
                 os.fspath(path_or_url)):
             device = map_location if isinstance(map_location, (str, torch.device)) else None
             return load_marked(path_or_url, device=device)
@@ -457,11 +464,15 @@ def _loading_markers_too(original):
     return load
 
 
-def _small_local_file(path) -> bool:
-    """A local file no larger than a marker (a real torch.save file is not even opened)."""
+def _small_file(path) -> bool:
+    """A file no larger than a marker (a real torch.save file is not even opened), local or at
+    an fsspec URL (a dirpath in a bucket: one stat)."""
     try:
-        return os.path.getsize(path) <= _MARKER_LIMIT
-    except (OSError, ValueError):
+        path = os.fspath(path)
+        remote = _remote(path)
+        size = remote[0].size(remote[1]) if remote else os.path.getsize(path)
+        return size is not None and size <= _MARKER_LIMIT
+    except (OSError, ValueError, ImportError):  # absent, or a protocol fsspec cannot open: Lightning's own load says
         return False
 
 

@@ -64,6 +64,35 @@ def test_resume_from_the_store_matches_an_uninterrupted_run(tmp_path):
     callback.store.close()
 
 
+def test_without_folders_the_trainer_still_loads_the_best_model_at_the_end(tmp_path):
+    """keep_folders=False removed every checkpoint-N folder, the best one too, so
+    load_best_model_at_end only logged that it could not find it and the run ended with the
+    last model. The best one's folder is kept while it is the best."""
+    dataset, model, args = hf_parts(tmp_path)
+
+    def run(name: str, keep_folders: bool):
+        arguments = args(name)
+        arguments.eval_strategy, arguments.eval_steps = "steps", 3
+        # greater_is_better on eval_loss: the best is the first checkpoint, not the last
+        arguments.load_best_model_at_end, arguments.metric_for_best_model = True, "eval_loss"
+        arguments.greater_is_better = True
+        callback = CasCallback(tmp_path / f"{name}-store", keep_folders=keep_folders)
+        trainer = transformers.Trainer(model(), arguments, train_dataset=dataset, eval_dataset=dataset[:8],
+                                       callbacks=[callback])
+        trainer.train()
+        best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
+        stored = callback.store.load(best)["model"]
+        callback.store.close()
+        return trainer, best, stored
+
+    trainer, best, stored = run("dropped", keep_folders=False)
+    assert best == 3 and trainer.state.global_step == 6
+    assert_same(trainer.model.state_dict(), stored)
+    assert sorted(os.listdir(tmp_path / "dropped")) == ["checkpoint-3"]  # only the best one's folder stays
+    kept, _, _ = run("kept", keep_folders=True)
+    assert_same(trainer.model.state_dict(), kept.model.state_dict())
+
+
 def test_a_run_resumed_from_an_earlier_step_with_the_callback_attached_saves_over_the_later_steps(tmp_path):
     """The store holds steps 3 and 6; a Trainer built the same way (callback attached) resumes
     from step 3. Its save at step 6 replaces the stored one instead of stopping the training
