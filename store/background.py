@@ -66,6 +66,7 @@ class BackgroundSaves:
         def run() -> None:
             result, failure = None, None
             try:
+                faults.point("save.background_started")
                 result = write()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
                 failure = exc

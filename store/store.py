@@ -197,8 +197,10 @@ class CheckpointStore(CacheKeeping):
         replace=True saves over an existing checkpoint at `step` (a pinned one is refused),
         swapping it out in the commit's own transaction: until that commit the old checkpoint
         stays, so a save that fails loses nothing (for integrations whose own naming reuses
-        steps, such as Lightning's last.ckpt)."""
+        steps, such as Lightning's last.ckpt). It waits for the save_async calls before it: the
+        later call commits later, so it is the newest and retention never removes it for them."""
         self._raise_unobserved()
+        self._background.make_room(1)  # none in flight: commit order is call order
         return self._write(self._prepare(state, step, milestone, metrics, meta, replacing=bool(replace)))
 
     def save_async(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,

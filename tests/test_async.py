@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, tiny_model, train_tiny
+from helpers import assert_same, outcome_of, tiny_model, train_tiny, wait_for
 
 import cas
 from cas import faults
@@ -39,6 +39,29 @@ def test_back_pressure_one_save_in_flight(store):
     assert first.done()  # the second call waited for the first
     store.wait()
     assert second.done() and [ck.step for ck in store.checkpoints()] == [1, 2]
+
+
+def test_a_save_after_an_unfinished_save_async_commits_after_it(store_path, injected, tmp_path):
+    """save() went ahead of an async save still in flight: the later call committed first, so
+    latest() and load() gave the earlier step, and retention then removed the checkpoint save()
+    had just returned. save() now waits for the saves before it."""
+    gate = tmp_path / "gate"
+    injected(f"save.background_started=pause:{gate}@1")  # the async save waits before it writes anything
+    with cas.open(store_path, retention=cas.Retention(keep_last=1)) as store:
+        future = store.save_async({"w": torch.randn(256, 1024)}, step=1)
+        wait_for(f"{gate}.reached")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            later = pool.submit(outcome_of, lambda: store.save({"w": torch.zeros(4)}, step=2))
+            try:
+                later.result(timeout=2)  # (it went ahead before: done while the async save waits)
+            except concurrent.futures.TimeoutError:
+                pass
+            gate.touch()
+            assert getattr(later.result(), "step", later.result()) == 2
+        assert future.result().step == 1
+        store.wait()
+        assert [ck.step for ck in store.checkpoints()] == [2] and store.latest().step == 2
+        assert torch.equal(store.load()["w"], torch.zeros(4))
 
 
 def test_an_in_flight_step_cannot_be_saved_twice(store):
