@@ -34,7 +34,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from .errors import CasError, ReadOnlyStoreError, StoreWriteError
+from .errors import CasError, CorruptionError, ReadOnlyStoreError, StoreWriteError
 from .hashing import KEY_SIZE
 
 WHERE_FILE = 0  # objects/ab/<key>
@@ -326,8 +326,14 @@ class Index:
 
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
-        with self.env.begin(write=False, buffers=False) as txn:
-            yield txn
+        """A read transaction. LMDB's own errors inside it (a page of a damaged file) become a
+        CorruptionError that says to rebuild the index (it is a cache)."""
+        try:
+            with self.env.begin(write=False, buffers=False) as txn:
+                yield txn
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError) as exc:
+            raise CorruptionError(f"the index of the store at {os.path.dirname(self.path)} is damaged "
+                                  f"({type(exc).__name__}: {exc}); `cas repair` rebuilds it from the store") from exc
 
     @contextmanager
     def write(self) -> Iterator[lmdb.Transaction]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +74,12 @@ class _Retry(Exception):
     """The registry changed under a sweep batch: mark the new roots, then try the batch again."""
 
 
+class _IndexSuspect(Exception):
+    """What gc would mark from disagrees with the store's own truth: the registry with the
+    record log, or a live object has no index record (so its delta base could not be followed).
+    The index is a cache, possibly damaged: rebuild it from the store and mark again."""
+
+
 class _RegistryMoved(Exception):
     """A manifest node vanished while it was being marked, and checkpoints were removed since
     the mark began: another process deleted and swept them. Mark again from the registry."""
@@ -88,6 +95,7 @@ class Marker:
         self.generation = generation
         self.live: set[bytes] = set()
         self.roots: set[bytes] = set()
+        self.unindexed: list[bytes] = []  # live objects (or delta bases) the index has no record of
 
     def mark(self, roots, progress: ProgressCallback | None = None) -> None:
         stack = [r for r in roots if r not in self.live]
@@ -117,9 +125,13 @@ class Marker:
         self._follow_bases(chunks_seen)
 
     def _follow_bases(self, keys: list[bytes]) -> None:
-        """A delta keeps its base alive, and the base's base: edges read from the index."""
-        with self.store.index.read() as txn:
-            self.live.update(bases_of(self.store.index, txn, keys, self.live))
+        """A delta keeps its base alive, and the base's base: edges read from the index (a key
+        with no record there is noted in `unindexed`: its base, if any, is not known)."""
+        index = self.store.index
+        with index.read() as txn:
+            found = bases_of(index, txn, keys, self.live)
+            self.unindexed += [k for k in [*keys, *found] if index.record(txn, k) is None]
+        self.live.update(found)
 
 
 def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
@@ -174,12 +186,20 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
     from the registry (a few times at most); a sweep batch under way starts over the same way."""
     if not dry_run:
         report.leases_reaped = reap_dead_leases(store)
+    rebuilt = False
     for attempt in range(MARK_ATTEMPTS):
         try:
             if not store.location.local:  # no LMDB writer lock is shared across hosts: the log orders
                 return sweep_bucket(store, report, Marker, dry_run=dry_run, ignore_roots=ignore_roots,
                                     progress=progress)
-            return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress)
+            return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress,
+                               rebuilt=rebuilt)
+        except _IndexSuspect as suspect:
+            if rebuilt:
+                raise CasError(f"gc stopped before deleting anything: {suspect} even after the index was rebuilt "
+                               "from the store; run `cas verify`") from None
+            _rebuild_index(store, str(suspect))
+            rebuilt = True
         except _RegistryMoved:
             if attempt == MARK_ATTEMPTS - 1:
                 raise CasError(f"gc gave up: checkpoints were removed by another process during each of its "
@@ -187,17 +207,23 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
 
 
 def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes],
-                progress: ProgressCallback | None) -> None:
+                progress: ProgressCallback | None, rebuilt: bool = False) -> None:
     t0 = time.perf_counter()
     store.ensure_cache()  # mark from a registry proven to match the store's record log (it may reopen the index)
     index, files = store.index, store.objects.files
     with index.read() as txn:
         generation = index.generation(txn)
-        roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
+        registered = store.registry.all(txn)
+        head, _ = store.registry.head(txn)
         held = _held_with_bases(index, txn)
         records = dict(index.iter_records(txn))
+    _check_registry(store, {ck.key for ck in registered}, head)
+    roots = [ck.key for ck in registered if ck.key not in ignore_roots]
     marker = Marker(store, generation)
     marker.mark(roots, progress)
+    if marker.unindexed and not rebuilt:  # after a rebuild from the store, what has no record is not on disk
+        raise _IndexSuspect(f"{len(marker.unindexed)} objects the checkpoints need have no index record "
+                            f"(first {marker.unindexed[0].hex()})")
     on_disk = set(files.iterate())
     report.mark_seconds = time.perf_counter() - t0
     report.live_objects = len(marker.live)
@@ -261,6 +287,46 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     if not waiting:  # a DCP save's ranks leave replacement files in tmp/ for its commit
         clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
+
+
+def _check_registry(store, registered: set[bytes], head: int) -> None:
+    """The checkpoints the registry holds must be those the record log (the truth) holds as of
+    the entry it was folded to: a damaged index that lost a registry row would otherwise have
+    gc delete that checkpoint's objects. One read of each log entry, less than the mark's reads
+    of every manifest."""
+    if store.registry.log is None or not head:
+        return
+    live: dict[int, bytes] = {}
+    for entry in store.records.entries():
+        if entry.seq > head:
+            break
+        for change in entry.changes:
+            if change["op"] == "add":
+                live[change["step"]] = bytes(change["id"])
+            elif change["op"] == "remove":
+                live.pop(change["step"], None)
+    truth = set(live.values())
+    if truth != registered:
+        raise _IndexSuspect(f"the index's registry holds {len(registered)} checkpoints, the record log "
+                            f"{len(truth)} ({len(truth - registered)} missing from the registry)")
+
+
+def _rebuild_index(store, reason: str) -> None:
+    """Move the index aside and build a new one from the store, as an open does with a damaged
+    index: writing into a file whose bytes were overwritten is not safe (LMDB's own free-page
+    lists may be among them). This process's other users reopen it (`ensure_cache`), other
+    processes as when an index is deleted under them. Not while a save of this store is open in
+    this process (it would commit into the old file): gc then stops, deleting nothing."""
+    with store.objects.sessions_lock:
+        busy = store.objects.open_sessions
+    if busy or not store.location.local:
+        raise CasError(f"gc stopped before deleting anything: {reason}, so the index may be damaged; run "
+                       "`cas repair` (it rebuilds it from the store), then gc again")
+    folder = store.index.path
+    aside = f"{folder}.damaged-{int(time.time())}-{os.getpid()}"
+    os.rename(folder, aside)
+    store.cache_report.reason = f"gc found the index inconsistent with the store ({reason}); moved to {aside}"
+    store.ensure_cache()  # reopens the index at its path: a new one, rebuilt from the store
 
 
 def _remove_superseded_files(store, report: GcReport, keys) -> None:
