@@ -251,6 +251,14 @@ def test_keyframes_are_coded_again_whole_with_zstds_own_parameters_when_smaller(
             assert_exactly_reachable(store)
 
 
+def repack_as_read(store, key: bytes, rec, blob: bytes) -> None:
+    """What gc's repacking does with an entry it read as `rec` (bytes `blob`): copy it, commit."""
+    with store.objects.session("gc repack") as session:
+        session.hold([key])
+        session.write_encoded(key, blob, rec)
+        session.commit(lambda txn: None)
+
+
 def test_a_gc_move_read_before_a_recode_does_not_undo_it(tmp_path):
     """gc's repacking copies an entry as it was when read; if a recode made that object a delta
     meanwhile (and coded the chunk below it against that), the copy does not stand."""
@@ -264,10 +272,7 @@ def test_a_gc_move_read_before_a_recode_does_not_undo_it(tmp_path):
         store.save(smooth(2), step=2)  # step 1 becomes a delta of step 2, step 0 extrapolates from both
         store.wait()
         assert store.objects.codec_of(w_chunks_of(store, 0)[0]).startswith("linear")
-        with store.objects.session("gc repack") as session:
-            session.hold([key])
-            session.write_encoded(key, blob, stale)
-            session.commit(lambda txn: None)
+        repack_as_read(store, key, stale, blob)
         assert store.objects.record(key).base == w_chunks_of(store, 2)[0]
         for step in range(3):
             assert torch.equal(store.load(step)["w"], smooth(step)["w"])
@@ -330,10 +335,7 @@ def test_a_gc_move_read_before_a_promotion_does_not_undo_it(tmp_path):
         store.save(comeback(6), step=6)  # smooth(2) again: spliced out, step 0 `sub` on step 1
         store.wait()
         assert store.objects.codec_of(key).startswith("sub")
-        with store.objects.session("gc repack") as session:
-            session.hold([key])
-            session.write_encoded(key, blob, stale)
-            session.commit(lambda txn: None)
+        repack_as_read(store, key, stale, blob)
         assert store.objects.codec_of(key).startswith("sub")
         for step in range(7):
             assert_bits(store.load(step), comeback(step))
@@ -436,26 +438,33 @@ def test_a_kill_at_every_phase_of_a_promotion_loses_nothing(tmp_path, point, los
     """A kill while the chunks that came back in step 6 are made whole again (before or after
     its commit, the superseded copies still on disk), even with the index then rebuilt from
     disk (both copies of two levels lie there), loses nothing, and the series goes on whole."""
-    path = tmp_path / "s"
-    env = dict(os.environ, CAS_FAULTS=f"{point}=kill")
-    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), "9", "comeback"], env=env,
+    killed_series_goes_on(tmp_path / "s", f"{point}=kill", "comeback", 9, 7, lose_index)
+
+
+def killed_series_goes_on(path, fault: str, series: str, total: int, committed: int, lose_index: bool) -> None:
+    """Run workers.py's `series` for `total` steps, killed at `fault`; then (the index lost or not)
+    its first `committed` steps are there, load bit for bit and verify, gc leaves exactly what
+    they need, and the series goes on to `total` steps with its chains within max_chain."""
+    state = {"smooth": smooth, "comeback": comeback}[series]
+    env = dict(os.environ, CAS_FAULTS=fault)
+    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), str(total), series], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr
     if lose_index:
         drop_index_files(path)
     with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
-        assert [ck.step for ck in store.checkpoints()] == list(range(7))
-        for step in range(7):
-            assert_bits(store.load(step), comeback(step))
+        assert [ck.step for ck in store.checkpoints()] == list(range(committed))
+        for step in range(committed):
+            assert_bits(store.load(step), state(step))
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)
-        for step in (7, 8):
-            store.save(comeback(step), step=step)
+        for step in range(committed, total):
+            store.save(state(step), step=step)
             store.wait()
         assert_chains(store, store.max_chain)
-        for step in range(9):
-            assert_bits(store.load(step), comeback(step))
+        for step in range(total):
+            assert_bits(store.load(step), state(step))
         assert store.verify().ok
         store.gc()
         assert_exactly_reachable(store)
@@ -467,31 +476,10 @@ def test_a_kill_at_every_phase_of_a_recode_that_relinks_loses_nothing(tmp_path, 
     """The second recode (step 1 against step 2) is followed by a relink of step 0 (extrapolating
     from steps 1 and 2) once step 1's whole copy is gone; a kill anywhere in either, even with
     the index then rebuilt from what is on disk, loses nothing."""
-    path = tmp_path / "s"
     at = "" if point in RELINK_POINTS else "@2"
-    env = dict(os.environ, CAS_FAULTS=f"{point}=kill{at}")
-    done = subprocess.run([sys.executable, WORKERS, "recode_series", str(path), "5", "smooth"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == -9, done.stderr
-    if lose_index:
-        drop_index_files(path)
-    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
-        assert [ck.step for ck in store.checkpoints()] == [0, 1, 2]
-        for step in range(3):
-            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
-        assert store.verify().ok
-        store.gc()
-        assert_exactly_reachable(store)
-        for step in (3, 4):
-            store.save(smooth(step), step=step)
-        store.wait()
-        assert_chains(store, store.max_chain)
-        for step in range(5):
-            assert torch.equal(store.load(step)["w"], smooth(step)["w"])
+    killed_series_goes_on(tmp_path / "s", f"{point}=kill{at}", "smooth", 5, 3, lose_index)
+    with cas.open(tmp_path / "s") as store:
         assert store.objects.codec_of(w_chunks_of(store, 2)[0]).startswith("linear")
-        assert store.verify().ok
-        store.gc()
-        assert_exactly_reachable(store)
 
 
 def test_loads_of_an_old_checkpoint_while_it_is_recoded_never_fail(tmp_path):
