@@ -19,6 +19,7 @@ import errno
 import socket
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from cas import faults
@@ -289,15 +290,23 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     report.sweep_seconds = time.perf_counter() - t0
 
 
+# Per open store: (seq, digest, {step: commit key}) of the record log as folded so far, so that
+# each gc reads only the entries since the last (0.1 ms an entry here).
+_LOG_FOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _check_registry(store, registered: set[bytes], head: int) -> None:
     """The checkpoints the registry holds must be those the record log (the truth) holds as of
     the entry it was folded to: a damaged index that lost a registry row would otherwise have
-    gc delete that checkpoint's objects. One read of each log entry, less than the mark's reads
-    of every manifest."""
+    gc delete that checkpoint's objects. The log is append-only and each entry names the digest
+    of the one before, so the fold goes on from where the last gc of this open store left it."""
     if store.registry.log is None or not head:
         return
-    live: dict[int, bytes] = {}
-    for entry in store.records.entries():
+    seq, digest, live = _LOG_FOLDS.get(store, (0, None, {}))
+    if seq > head:  # (a fold past this registry's head: start again)
+        seq, digest, live = 0, None, {}
+    live = dict(live)
+    for entry in store.records.entries(after=seq, prev=digest):
         if entry.seq > head:
             break
         for change in entry.changes:
@@ -305,6 +314,8 @@ def _check_registry(store, registered: set[bytes], head: int) -> None:
                 live[change["step"]] = bytes(change["id"])
             elif change["op"] == "remove":
                 live.pop(change["step"], None)
+        seq, digest = entry.seq, entry.digest
+    _LOG_FOLDS[store] = (seq, digest, live)
     truth = set(live.values())
     if truth != registered:
         raise _IndexSuspect(f"the index's registry holds {len(registered)} checkpoints, the record log "
