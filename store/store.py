@@ -15,8 +15,7 @@ from typing import Callable
 
 from cas import crypt, faults
 from cas.codecs import CodecPolicy
-from cas.errors import (CasError, CheckpointNotFoundError, CorruptionError, ReadOnlyStoreError,
-                        StoreClosedError, StoreWriteError)
+from cas.errors import CasError, CheckpointNotFoundError, ReadOnlyStoreError, StoreClosedError, StoreWriteError
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
@@ -28,18 +27,16 @@ from . import pipeline
 from .background import BackgroundSaves, SaveFuture
 from .cachekeeping import CacheKeeping
 from .commit import SaveRecord, commit_save
-from .lazytorch import torch
+from .loading import Loading
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
-from .reader import CheckpointReader
 from .recode import Recoder, bases_of_checkpoint
 from .records import RecordLog
 from .registry import Checkpoint, exists_error, remove_change, set_change
-from .restore import RestoredState, first_sound, restore as restore_targets
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
-from .tree import encode_nodes, plan, walk_value
-from .verify import VerifyReport, record_damage, verify_checkpoints
+from .tree import encode_nodes, plan
+from .verify import VerifyReport, verify_checkpoints
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ class _SaveJob:
     reused: set = dataclasses.field(default_factory=set)  # chunk keys the save found stored already
 
 
-class CheckpointStore(CacheKeeping):
+class CheckpointStore(CacheKeeping, Loading):
     """A content-addressed checkpoint store in one folder (cas.Store adds retention and gc: open
     one with `cas.open(path)`)."""
 
@@ -403,102 +400,6 @@ class CheckpointStore(CacheKeeping):
         """Called (on the recode thread) with the packs in which a recode left dead entries; the
         public store compacts them there, so the space of the full copies comes back at once."""
 
-    # --- load ---------------------------------------------------------------------------
-    def reader(self, step: int | None = None) -> CheckpointReader:
-        """A reader of checkpoint `step` (the latest when None), resolved now: it reads that
-        checkpoint even if the step is replaced meanwhile."""
-        self._check_open()
-        return CheckpointReader(self.objects, self.resolve(step), pool=self._read_pool, window=4 * self._workers,
-                                record_damage=lambda keys, by: record_damage(self, keys, by))
-
-    def load(self, step: int | None = None, *, keys=None, device: str | torch.device | None = None,
-             fallback: bool = False):
-        """Load a checkpoint's state (the latest when `step` is None); with `keys`, only those
-        top-level entries are read. Every byte is checked against its hash.
-
-        fallback=True: when that checkpoint is damaged (CorruptionError), load the newest one
-        committed before it that reads whole instead, with a RuntimeWarning naming the steps
-        skipped and why; a dict state comes back as a RestoredState, whose `checkpoint` and
-        `skipped` say the same. No damaged byte is ever returned."""
-        def read(ck: Checkpoint):
-            return self.reader(ck.step).materialize(keys)
-
-        if fallback:
-            state, ck, skipped = self._fallback(step, read)
-            state = RestoredState(state, ck, skipped) if isinstance(state, dict) else state
-        else:
-            reader = self.reader(step)
-            faults.point("load.resolved")
-            state = self._unless_removed(reader.checkpoint, lambda: reader.materialize(keys))
-        if device is not None:
-            target = torch.device(device)
-            moved = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
-            state = RestoredState(moved, state.checkpoint, state.skipped) if isinstance(state, RestoredState) else moved
-        return state
-
-    def restore(self, targets: dict, *, step: int | None = None, fallback: bool = False) -> RestoredState:
-        """Restore stateful objects in place (model, optimizer, scheduler, scaler, sampler,
-        cas.RNGState, ...) from a checkpoint (the latest when `step` is None).
-
-        Returns the checkpoint's top-level entries (a RestoredState: a dict, with `checkpoint`
-        saying which one), with each stateful target in place of its state dict. Tensors are
-        decoded straight into the targets' own tensors where dtype and shape match, so no second
-        full copy of a model is held; memory two entries share (tied weights) is decoded into
-        once, the other entry through load_state_dict. Only verified bytes are written into a
-        target. Modules are checked against the checkpoint first and restored last, after every
-        other target accepted its state: a module that does not fit (StateMismatchError) or
-        another target that refuses its state leaves the modules as they were. A damaged object
-        (CorruptionError) stops the restore with the targets partly restored, each chunk either
-        as it was or as the checkpoint holds it.
-
-        fallback=True (a resume that must go on): restore the newest checkpoint, from `step` (the
-        latest) back in commit order, that verifies whole. Each is verified before any byte of
-        it reaches a target, so a damaged one leaves the targets untouched (the one restored is
-        read twice: verified, then decoded). A RuntimeWarning and the result's `skipped` name the
-        steps passed over and why; when none verifies, CorruptionError names them all."""
-        if not fallback:
-            reader = self.reader(step)
-            restored = self._unless_removed(reader.checkpoint, lambda: restore_targets(reader, targets))
-            return _restored(restored, reader.checkpoint, [])
-
-        def verified_restore(ck: Checkpoint):
-            report = verify_checkpoints(self, [ck])
-            if not report.ok:
-                more = f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ""
-                raise CorruptionError(f"{report.problems[0]}{more}")
-            return restore_targets(self.reader(ck.step), targets)
-
-        return _restored(*self._fallback(step, verified_restore))
-
-    def _unless_removed(self, ck: Checkpoint, read: Callable[[], object]):
-        """`read()` of checkpoint `ck`; when it fails for a missing or damaged object and `ck`
-        is no longer committed (retention or a gc of another process or host removed it, or a
-        save replaced it, while it was being read), CheckpointNotFoundError says so instead."""
-        try:
-            return read()
-        except CorruptionError as exc:
-            self._see_other_commits()
-            with self.index.read() as txn:
-                now = self.registry.get(txn, ck.step)
-            if now is None or now.id != ck.id:
-                raise CheckpointNotFoundError(
-                    f"checkpoint step {ck.step} of {self.path} was {'removed' if now is None else 'replaced'} "
-                    f"while it was being read ({exc})") from exc
-            raise
-
-    def _fallback(self, step: int | None, attempt: Callable[[Checkpoint], object]):
-        """first_sound over checkpoint `step` (the latest) and those committed before it, newest
-        first; warns when it skipped any."""
-        first = self.resolve(step)
-        older = sorted((ck for ck in self.checkpoints() if (ck.seq, ck.step) < (first.seq, first.step)),
-                       key=lambda ck: (ck.seq, ck.step), reverse=True)
-        value, ck, skipped = first_sound([first, *older], attempt, self.path)
-        if skipped:
-            warnings.warn(f"cas: using checkpoint step {ck.step} of {self.path}, the newest that reads whole; "
-                          f"skipped {len(skipped)} damaged (newest first): "
-                          + "; ".join(f"step {s.step}: {s.reason}" for s in skipped), RuntimeWarning, stacklevel=3)
-        return value, ck, skipped
-
     # --- registry -------------------------------------------------------------------------
     def resolve(self, step: int | None) -> Checkpoint:
         """Checkpoint `step`, or the latest when None; CheckpointNotFoundError when absent."""
@@ -650,11 +551,6 @@ class CheckpointStore(CacheKeeping):
         return self.reader(step).tensors()
 
 
-
-
-def _restored(entries, checkpoint: Checkpoint, skipped: list) -> RestoredState:
-    """restore()'s result; a state whose top is not a dict (restored with no targets) as it is."""
-    return RestoredState(entries, checkpoint, skipped) if isinstance(entries, dict) else entries
 
 
 def _checked_process(pid: int, path: str) -> None:
