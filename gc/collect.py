@@ -305,7 +305,22 @@ def _check_registry(store, registered: set[bytes], head: int) -> None:
     seq, digest, live = _LOG_FOLDS.get(store, (0, None, {}))
     if seq > head:  # (a fold past this registry's head: start again)
         seq, digest, live = 0, None, {}
-    live = dict(live)
+    try:
+        seq, digest, live = _fold_live(store, seq, digest, dict(live), head)
+    except CorruptionError:
+        if not seq:
+            raise
+        seq, digest, live = _fold_live(store, 0, None, {}, head)  # the log is not the one folded before
+    _LOG_FOLDS[store] = (seq, digest, live)
+    truth = set(live.values())
+    if truth != registered:
+        raise _IndexSuspect(f"the index's registry holds {len(registered)} checkpoints, the record log "
+                            f"{len(truth)} ({len(truth - registered)} missing from the registry)")
+
+
+def _fold_live(store, seq: int, digest: bytes | None, live: dict[int, bytes],
+               head: int) -> tuple[int, bytes | None, dict[int, bytes]]:
+    """`live` (step -> commit key, as of log entry `seq` with `digest`) carried on to entry `head`."""
     for entry in store.records.entries(after=seq, prev=digest):
         if entry.seq > head:
             break
@@ -315,11 +330,7 @@ def _check_registry(store, registered: set[bytes], head: int) -> None:
             elif change["op"] == "remove":
                 live.pop(change["step"], None)
         seq, digest = entry.seq, entry.digest
-    _LOG_FOLDS[store] = (seq, digest, live)
-    truth = set(live.values())
-    if truth != registered:
-        raise _IndexSuspect(f"the index's registry holds {len(registered)} checkpoints, the record log "
-                            f"{len(truth)} ({len(truth - registered)} missing from the registry)")
+    return seq, digest, live
 
 
 def _rebuild_index(store, reason: str) -> None:
