@@ -4,18 +4,17 @@ gc's repacking copies live objects as they are (write_encoded); a recode makes a
 delta of the newer chunk that replaced it (write_recoded); a relink codes a delta again as a
 `linear` one against the same base (write_relinked); a promotion makes a delta whole again
 (write_whole_again), codes the deltas that stood on it against its base instead
-(write_rebased) and a `linear` delta standing on one of those as `sub` (write_unlinked). Each goes
-into a pack, so the copy it
-replaces stays readable until the commit, and each stands only if, inside the commit's
-transaction, the index still holds what it was coded from (another writer may have moved the
-same object meanwhile): the rules are here, the commit that applies them is WriteSession's.
+(write_rebased) and a `linear` delta standing on one of those as `sub` (write_unlinked). Each
+goes into a pack, so the copy it replaces stays readable until the commit, and each stands
+only if, inside the commit's transaction, the index still holds what it was coded from
+(another writer may have moved the same object meanwhile): the rules are here, the commit that
+applies them is WriteSession's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-
 from typing import TYPE_CHECKING
 
 from .chains import MAX_CHAIN_DECODE
