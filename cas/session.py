@@ -83,7 +83,6 @@ class WriteSession(Moves):
         self._wholes: set[bytes] = set()  # deltas made whole again (write_whole_again)
         self._unlinked: set[bytes] = set()  # `linear` deltas coded again as `sub` (write_unlinked)
         self._rebased: dict[bytes, bytes] = {}  # delta -> the base it was coded away from (write_rebased)
-        self.promoted: set[bytes] = set()  # of the wholes, the ones the commit indexes (known inside it)
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         # Packs written as objects arrive (local stores): the open one, every one not yet
@@ -474,13 +473,10 @@ class WriteSession(Moves):
     def _file_agrees(self, key: bytes, rec: ObjectRecord) -> bool:
         """Whether an indexed object's header names the base its record does: a file's, or a
         local pack entry's (a bucket's segments are trusted, as in _is_stored)."""
+        if rec.where == WHERE_PACK and self.store.trust_packs:
+            return True
         try:
-            if rec.where == WHERE_PACK:
-                if self.store.trust_packs:
-                    return True
-                head = self.store.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
-                return parse_header(head, key=key).base == rec.base
-            return parse_header(self.store.files.head(key, 64), key=key).base == rec.base
+            return self.store.header_at(key, rec).base == rec.base
         except CorruptionError:
             return False
 
@@ -529,7 +525,6 @@ class WriteSession(Moves):
             if self._wholes or self._unlinked or self._rebased:
                 settled += self._settle_promotions(txn, by_key)
             self.recoded = {key for key, _ in settled if key in self._recoded}  # for `finish` to see
-            self.promoted = {key for key, rec in settled if key in self._wholes and rec.base is None}
             self.relinked = {key for key, _ in settled if key in self._relinked}
             result = finish(txn)  # before any file changes: it may refuse the commit
             for key, chosen in settled:

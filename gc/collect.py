@@ -128,22 +128,25 @@ class Marker:
     def _follow_bases(self, keys: list[bytes]) -> None:
         """A delta keeps its base alive, and the base's base: edges read from the index (a key
         with no record there is noted in `unindexed`: its base, if any, is not known)."""
-        index = self.store.index
-        with index.read() as txn:
-            found = bases_of(index, txn, keys, self.live)
-            self.unindexed += [k for k in [*keys, *found] if index.record(txn, k) is None]
-        self.live.update(found)
+        with self.store.index.read() as txn:
+            self.live.update(bases_of(self.store.index, txn, keys, self.live, unindexed=self.unindexed))
 
 
-def bases_of(index, txn, keys, known: set[bytes] = frozenset()) -> set[bytes]:
+def bases_of(index, txn, keys, known: set[bytes] = frozenset(), unindexed: list | None = None) -> set[bytes]:
     """Every object the deltas among `keys` are coded against, down their chains (stopping at
-    objects in `known`, whose chains are accounted for already)."""
+    objects in `known`, whose chains are accounted for already); the keys met that have no
+    record are appended to `unindexed` when given."""
     found: set[bytes] = set()
     for key in keys:
         rec = index.record(txn, key)
-        while rec is not None and rec.base is not None and rec.base not in known and rec.base not in found:
-            found.add(rec.base)
-            rec = index.record(txn, rec.base)
+        while True:
+            if rec is None and unindexed is not None:
+                unindexed.append(key)
+            if rec is None or rec.base is None or rec.base in known or rec.base in found:
+                break
+            key = rec.base
+            found.add(key)
+            rec = index.record(txn, key)
     return found
 
 
