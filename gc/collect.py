@@ -29,6 +29,7 @@ from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER, PACK_TARGET
 from cas.progress import ProgressCallback
+from cas.store.cache import stored_anywhere
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -55,6 +56,7 @@ class GcReport:
     objects_held: int = 0  # unreachable objects a writer in progress held (a later gc sweeps them)
     packs_held: int = 0  # packs left uncompacted for a writer in progress (a later gc compacts them)
     held_for_mirror: list[int] = field(default_factory=list)  # kept only because not yet mirrored
+    objects_missing: int = 0  # objects committed checkpoints need that the store holds nowhere
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
 
@@ -67,7 +69,7 @@ class GcReport:
                 "packs_rewritten": self.packs_rewritten,
                 "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
                 "objects_held": self.objects_held, "packs_held": self.packs_held,
-                "held_for_mirror": self.held_for_mirror,
+                "held_for_mirror": self.held_for_mirror, "objects_missing": self.objects_missing,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
 
@@ -96,7 +98,7 @@ class Marker:
         self.generation = generation
         self.live: set[bytes] = set()
         self.roots: set[bytes] = set()
-        self.unindexed: list[bytes] = []  # live objects (or delta bases) the index has no record of
+        self.unindexed: dict[bytes, tuple | None] = {}  # live objects the index has no record of (bases_of)
 
     def mark(self, roots, progress: ProgressCallback | None = None) -> None:
         stack = [r for r in roots if r not in self.live]
@@ -132,19 +134,20 @@ class Marker:
             self.live.update(bases_of(self.store.index, txn, keys, self.live, unindexed=self.unindexed))
 
 
-def bases_of(index, txn, keys, known: set[bytes] = frozenset(), unindexed: list | None = None) -> set[bytes]:
+def bases_of(index, txn, keys, known: set[bytes] = frozenset(), unindexed: dict | None = None) -> set[bytes]:
     """Every object the deltas among `keys` are coded against, down their chains (stopping at
-    objects in `known`, whose chains are accounted for already); the keys met that have no
-    record are appended to `unindexed` when given."""
+    objects in `known`, whose chains are accounted for already). The keys met that have no
+    record go into `unindexed` when given, each with the (key, record) of the delta whose record
+    named it as its base, or None for one of `keys`."""
     found: set[bytes] = set()
     for key in keys:
-        rec = index.record(txn, key)
+        rec, named_by = index.record(txn, key), None
         while True:
-            if rec is None and unindexed is not None:
-                unindexed.append(key)
+            if rec is None and unindexed is not None and (named_by is not None or key not in unindexed):
+                unindexed[key] = named_by
             if rec is None or rec.base is None or rec.base in known or rec.base in found:
                 break
-            key = rec.base
+            named_by, key = (key, rec), rec.base
             found.add(key)
             rec = index.record(txn, key)
     return found
@@ -225,9 +228,10 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     roots = [ck.key for ck in registered if ck.key not in ignore_roots]
     marker = Marker(store, generation)
     marker.mark(roots, progress)
-    if marker.unindexed and not rebuilt:  # after a rebuild from the store, what has no record is not on disk
+    if marker.unindexed and not rebuilt and _index_lost_them(store, marker.unindexed):
         raise _IndexSuspect(f"{len(marker.unindexed)} objects the checkpoints need have no index record "
-                            f"(first {marker.unindexed[0].hex()})")
+                            f"(first {next(iter(marker.unindexed)).hex()})")
+    report.objects_missing = len(marker.unindexed)  # (in no pack and no file: `cas verify` names them)
     on_disk = set(files.iterate())
     report.mark_seconds = time.perf_counter() - t0
     report.live_objects = len(marker.live)
@@ -291,6 +295,22 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
     if not waiting:  # a DCP save's ranks leave replacement files in tmp/ for its commit
         clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
+
+
+def _index_lost_them(store, unindexed: dict[bytes, tuple | None]) -> bool:
+    """Whether live objects without a record may be index damage (so gc rebuilds the index
+    before it deletes anything) rather than objects lost from the store (which a rebuild finds
+    missing again, at every gc): true when the store holds any of them, or when a delta's record
+    names as its base a key the delta's own header does not (a damaged record)."""
+    for key, named_by in unindexed.items():
+        if named_by is not None:
+            delta, rec = named_by
+            try:
+                if store.objects.header_at(delta, rec).base != key:
+                    return True
+            except CasError:
+                return True
+    return stored_anywhere(store, unindexed)
 
 
 # Per open store: (seq, digest, {step: commit key}) of the record log as folded so far, so that

@@ -150,6 +150,20 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     return report
 
 
+def stored_anywhere(store, keys) -> bool:
+    """Whether the store holds any of `keys` in a pack or an object file, found as a rebuild
+    finds them, or has a pack it cannot read (which might): gc asks this of the live objects
+    the index has no record of, to tell index damage (rebuild it) from objects lost with their
+    files (a rebuild would find them missing again, every gc)."""
+    wanted = set(keys)
+    if any(store.objects.files.has(key) is not None for key in wanted):
+        return True
+    copies: dict[bytes, list[ObjectRecord]] = {}
+    report = RebuildReport()
+    _scan_packs(store.objects.packs, copies, report, check=False)
+    return bool(report.skipped) or not wanted.isdisjoint(copies)
+
+
 def _forget_deleted_packs(copies: dict[bytes, list[ObjectRecord]], entries) -> None:
     """Drop the copies in packs a gc's delete entry names (a gc that died before it deleted
     them all): their objects are stored elsewhere or nowhere, and the next gc removes the rest."""

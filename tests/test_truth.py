@@ -271,6 +271,43 @@ def test_gc_over_a_damaged_index_deletes_nothing_a_checkpoint_needs(tmp_path, da
         assert store.verify().ok
 
 
+def test_gc_over_a_store_that_lost_an_object_does_not_rebuild_its_index_each_time(tmp_path):
+    """An object lost with its file (no index damage): after the index was rebuilt it has no
+    record, as index damage would leave. gc moved the index aside and rebuilt it at every run,
+    leaving one more copy of it in the store each time; it now looks for the object in the
+    store first, reports it missing, and rebuilds only where the store does hold it."""
+    from cas.errors import MissingObjectError
+
+    path = tmp_path / "s"
+    states = {step: smooth(step) for step in range(4)}
+    with cas.open(path, chunk_size=64 << 10, delta=False, pack_max=0) as store:
+        for step, state in states.items():
+            store.save(state, step=step)
+        later = {k for step in (1, 2, 3) for t in store.tensors(step) for k in t["chunks"]}
+        lost, kept = [k for t in store.tensors(0) for k in t["chunks"] if k not in later][:2]
+        assert store.objects.files.has(lost) and store.objects.files.has(kept)
+        store.objects.files.delete(lost)
+    drop_index_files(path)
+
+    def aside() -> list[str]:
+        return [name for name in os.listdir(path) if ".damaged-" in name]
+
+    with cas.open(path) as store:
+        for _ in range(2):
+            report = store.gc()
+            assert report.objects_missing == 1 and not aside()
+        for step in (1, 2, 3):
+            assert torch.equal(store.load(step)["w"], states[step]["w"])
+        with pytest.raises(MissingObjectError, match=lost.hex()):
+            store.load(0)
+        with store.index.write() as txn:  # index damage beside it: a record lost, its file there
+            txn.delete(kept, db=store.index.tables["objects"])
+        report = store.gc()
+        assert len(aside()) == 1 and report.objects_missing == 1
+        assert store.objects.record(kept) is not None
+    assert "1 objects the checkpoints need are missing" in cli("gc", "--keep-all", path=path).stdout
+
+
 def test_a_rebuild_killed_half_way_leaves_a_store_that_rebuilds_again(tmp_path):
     path = tmp_path / "s"
     expected = build(path)

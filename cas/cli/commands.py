@@ -282,6 +282,9 @@ def cmd_gc(store, args) -> int:
         print(f"sweep deferred: {report.deferred}")
     if report.held_for_mirror:
         print(f"kept {len(report.held_for_mirror)} checkpoints no rule keeps: not yet in the store's mirror")
+    if report.objects_missing:
+        print(f"{report.objects_missing} objects the checkpoints need are missing from the store; "
+              "`cas verify` names them and their checkpoints")
     return EXIT_OK
 
 
