@@ -72,7 +72,7 @@ class WriteSession(Moves):
         self._pending_bytes = 0
         self._written: dict[bytes, ObjectRecord] = {}
         self._records: dict[bytes, ObjectRecord] = {}  # what claim() found already stored
-        self.reused: set[bytes] = set()  # the keys claim() found stored before this session
+        self.reused: set[bytes] = set()  # the keys claim() or adopt() found stored before this session
         self._stale: set[bytes] = set()  # indexed, but the file or pack entry is gone: rewriting it is new bytes
         self._moves: set[bytes] = set()  # objects this session moves (gc's repacking): its record wins
         self._recoded: set[bytes] = set()  # moves that make a full object a delta (write_recoded)
@@ -373,6 +373,8 @@ class WriteSession(Moves):
         if held is not None and self._holds(key, held):
             if replacement is not None:
                 self.store.files.discard([replacement])
+            with self._lock:
+                self.reused.add(key)
             return held.stored_size
         if replacement is not None:
             try:

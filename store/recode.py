@@ -122,7 +122,7 @@ class Recoder:
                released=None, reused: set[bytes] | None = None) -> concurrent.futures.Future:
         """Recode `previous`'s replaced chunks against `current`'s, after what is queued;
         `released(previous)` runs when done (its buffers may be reused). `reused`: the chunks the
-        save found stored already (None: not known, as for a DCP coordinator)."""
+        save found stored already (None: not known: every chunk that replaced another may have come back)."""
         def run() -> None:
             try:
                 older = _came_back(previous, current, reused)

@@ -294,9 +294,11 @@ class CheckpointStore(CacheKeeping, Loading):
         except CasError:  # a damaged manifest is verify's to report: nothing is recoded against it
             return {}
 
-    def recode_before(self, ck: Checkpoint) -> None:
+    def recode_before(self, ck: Checkpoint, reused: set[bytes] | None = None) -> None:
         """Re-encode, in the background, the checkpoint committed before `ck` as deltas of `ck`
-        (a DCP coordinator's commit: its ranks wrote whole chunks); reads both from the store."""
+        (a DCP coordinator's commit: its ranks wrote whole chunks); reads both from the store.
+        `reused`: the chunks of `ck` that were stored before its save (its commit session's);
+        None makes the recode look for content that came back among all of them."""
         if not self.location.local or self.readonly:
             return
         with self._delta_lock:
@@ -309,7 +311,8 @@ class CheckpointStore(CacheKeeping, Loading):
                     [(p, leaf.node) for p, leaf in self.reader(ck.step).tensor_leaves().items()])
             except CasError:
                 return
-            self._recoder.submit(previous, current, self.max_chain, f"step {older.step} against step {ck.step}")
+            self._recoder.submit(previous, current, self.max_chain, f"step {older.step} against step {ck.step}",
+                                 reused=reused)
 
     def _latest_bases(self) -> dict[str, delta_bases.TensorBases]:
         """Bases for the first delta save after the store was opened (a resumed run): the chunk

@@ -555,6 +555,32 @@ def test_dcp_saves_are_written_whole_and_the_coordinator_recodes_the_one_before(
         assert torch.equal(target["w"], drifting(step)["w"])
 
 
+def test_dcp_saves_of_content_that_comes_back_are_made_whole_and_others_scan_nothing(tmp_path, monkeypatch):
+    """The coordinator's commit knows which chunks were stored before the save (the ranks'
+    chunks its session adopted as held) and passes them to the recode, as Store.save does: the
+    content that came back is made whole in the newest, and a save with none reads no reverse
+    map of the index's deltas (a full scan of its records, at every DCP save before)."""
+    import cas.store.dcp as cdcp
+    from cas.index import Index
+
+    scans = []
+    whole_scan = Index.delta_children
+    monkeypatch.setattr(Index, "delta_children", lambda self, txn: scans.append(1) or whole_scan(self, txn))
+    with cas.open(tmp_path / "s", chunk_size=64 << 10, pack_max=4096) as store:
+        for step in range(8):
+            cdcp.save(comeback(step), store, step, no_dist=True)
+            store.wait()
+            assert_chains(store, store.max_chain)
+            assert bool(scans) == (step >= 6)  # steps 6 and 7 save smooth(2) and smooth(3) again
+            scans.clear()
+        assert store._recoder.promoted == 2 * len(w_chunks_of(store, 6, "tensors.w.0"))
+        assert store.verify().ok
+    for step in range(8):
+        target = {k: torch.zeros_like(v) for k, v in comeback(step).items()}
+        cdcp.load(target, tmp_path / "s", step, no_dist=True)
+        assert_bits(target, comeback(step))
+
+
 def test_an_encrypted_store_recodes_too(tmp_path):
     key = bytes(range(32))
     with cas.open(tmp_path / "s", key=key, chunk_size=64 << 10) as store:

@@ -349,7 +349,7 @@ class CasWriter(StorageWriter):
             faults.point("dcp.finish")
             self.checkpoint = self._commit(pending, metadata, results)
             if self.recode:  # in the store's background (a store opened here waits for it when closed)
-                pending.store.recode_before(self.checkpoint)
+                pending.store.recode_before(self.checkpoint, reused=set(pending.session.reused))
         finally:
             self.abort()
         pending.store.after_commit(self.checkpoint)  # retention of a store opened with one, as after save()
