@@ -29,9 +29,10 @@ from .backend import Buffer, Staged
 from .buffers import POOL as _POOL
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
-from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, SCRYPT_ENV, SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R,  # noqa: F401
-                   ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
-                   key_from_env, key_ids, new_key_id, read_key_file, remove_key, unlock, user_key)
+from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
+                   SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher,
+                   check_fields, check_of, encryption_fields, invalid_tag, key_blob, key_from_env, key_ids,
+                   new_key_id, read_key_file, remove_key, unlock, user_key)
 
 TAG = 16
 BLOB_MAGIC = b"casenc1\n"  # bound to its name
@@ -45,7 +46,7 @@ _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the 
 def plain_blob(name: str) -> bool:
     """Blobs kept readable without the master key: they hold no user data (the config, the
     wrapped keys, writers' leases: pid, host, start time, purpose)."""
-    return name == "config" or name.startswith((KEYS_PREFIX, "leases/"))
+    return name == "config" or name.startswith((KEYS_PREFIX, REMOVING_PREFIX, "leases/"))
 
 
 def sealed_size(plain: int) -> int:

@@ -26,6 +26,8 @@ from .errors import CasError, CorruptionError, KeyRemovalRefusedError, KeyRequir
 from .hashing import KEY_SIZE, Namer
 
 KEYS_PREFIX = "keys/"
+# removing-keys/<id>: an empty blob created before keys/<id> is deleted (remove_key says why)
+REMOVING_PREFIX = "removing-keys/"
 KEY_MAGIC = b"cas-key\n"
 AEAD_NAME = "aes-256-gcm"
 NAMING = "blake3-keyed"
@@ -230,6 +232,11 @@ def key_ids(backend) -> list[str]:
     return [name[len(KEYS_PREFIX):] for name in backend.list(KEYS_PREFIX)]
 
 
+def removal_marks(backend) -> list[str]:
+    """The ids of the keys a removal has marked as going (remove_key)."""
+    return [name[len(REMOVING_PREFIX):] for name in backend.list(REMOVING_PREFIX)]
+
+
 def new_key_id() -> str:
     return secrets.token_hex(8)
 
@@ -300,7 +307,14 @@ def add_key(backend, store_id: str, keys: StoreKeys, new_key) -> str:
 
 
 def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
-    """Delete keys/<key_id>; never the last key, nor the one the store was opened with."""
+    """Delete keys/<key_id>; never the last key, nor the one the store was opened with.
+
+    Two hosts each removing the other's key would each see two keys, each delete one, and
+    leave none. So a removal first marks its key as going (removing-keys/<id>, create-only,
+    empty), then lists keys and marks, and deletes only while a key that is not going remains;
+    else it drops its mark and is refused. Of removals that race, the one that lists last sees
+    every other's mark, so a key always survives. A mark left by a removal that was killed
+    counts its key as going until `remove_key` of that key runs again and finishes it."""
     ids = key_ids(backend)
     if key_id not in ids:
         raise CasError(f"the store at {where} has no key {key_id!r}; its keys: {', '.join(ids)}")
@@ -310,7 +324,22 @@ def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
     if len(ids) <= 1:
         raise KeyRemovalRefusedError(f"key {key_id} is the last key of the store at {where}; removing it would "
                                      "make the store unreadable")
+    mark = REMOVING_PREFIX + key_id
+    marked = backend.put_if_absent(mark, [b""])  # (False: an earlier removal of it was stopped; finish it)
     faults.point("keys.removing")
+    going = set(removal_marks(backend))
+    staying = [k for k in key_ids(backend) if k not in going]
+    if not staying:
+        if marked:
+            backend.delete(mark)
+            backend.sync()
+        raise KeyRemovalRefusedError(f"key {key_id} cannot be removed from the store at {where}: every other key "
+                                     f"is being removed too ({', '.join(sorted(going - {key_id}))}); removing it "
+                                     "could leave the store with no key. A removal that was stopped is finished "
+                                     "by running it again")
     backend.delete(KEYS_PREFIX + key_id)
     backend.sync()
     faults.point("keys.removed")
+    for gone in going.difference(key_ids(backend)):  # its own mark, and those of removals killed after their delete
+        backend.delete(REMOVING_PREFIX + gone)
+    backend.sync()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -585,6 +586,33 @@ def test_killed_at_a_fault_point_loses_nothing(tmp_path, what, point):
         assert opened == (point == "keys.added") and len(ids) == 1 + opened
     if what == "remove":
         assert (extra in ids) == (point == "keys.removing")
+
+
+def test_two_hosts_removing_each_others_key_leave_one(tmp_path):
+    """Each store opened with its own key removes the other's: both saw two keys and both
+    deleted one, leaving a store no key opens (an audit hit it on S3 in 4 of 4 rounds). One is
+    refused now, whichever lists last, and the store keeps the other's key."""
+    path = tmp_path / "s"
+    with cas.open(path, key="alice") as store:
+        store.save({"w": _w(1)}, step=1)
+        alice, bob = store.key_id, store.add_key("bob")
+    gate = tmp_path / "gate"
+    remove = "import cas, sys; s = cas.open(sys.argv[1], key=sys.argv[2]); s.remove_key(sys.argv[3]); s.close()"
+    first = subprocess.Popen([sys.executable, "-c", remove, str(path), "alice", bob],
+                             env=dict(os.environ, CAS_FAULTS=f"keys.removing=pause:{gate}"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{gate}.reached"):  # alice marked bob's key as going, paused
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.05)
+    with cas.open(path, key="bob") as store, pytest.raises(KeyRemovalRefusedError, match="being removed too"):
+        store.remove_key(alice)
+    gate.touch()
+    assert first.wait(timeout=60) == 0
+    with cas.open(path, key="alice") as store:
+        assert store.key_ids() == [alice] and torch.equal(store.load(1)["w"], _w(1))
+    with pytest.raises(WrongKeyError):
+        cas.open(path, key="bob")
+    assert not os.listdir(path / "removing-keys")
 
 
 def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key_file(tmp_path, monkeypatch):
