@@ -317,22 +317,42 @@ def _footer_or_error(packs, pack: bytes, size: int):
 
 
 def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool, commits: list | None) -> None:
+    """Read and check each entry of a pack on its own (a ranged read: in an encrypted pack a
+    damaged segment fails only the entries it covers, not the whole pack's read)."""
     try:
-        for key, offset, length in packs.entries(pack):
-            blob = packs.read(pack, offset, length, key)
-            try:
-                head = parse_header(blob, key=key)
-                raw = decode_into(blob, key, namer=namer_of(packs.backend)) if (check or commits is not None) and not head.base \
-                    else None
-            except CorruptionError as exc:
-                report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
-                continue
-            copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
-                                                           base=head.base))
-            if commits is not None and raw is not None:
-                _note_commit(key, raw, commits)
+        entries = _entries_of(packs, pack)
     except (CorruptionError, OSError) as exc:
         report.skipped.append(f"pack {pack.hex()}: {exc}")
+        return
+    for key, offset, length in entries:
+        try:
+            blob = packs.read(pack, offset, length, key)
+            head = parse_header(blob, key=key)
+            raw = decode_into(blob, key, namer=namer_of(packs.backend)) if (check or commits is not None) and not head.base \
+                else None
+        except CorruptionError as exc:
+            report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
+            continue
+        except OSError as exc:
+            report.skipped.append(f"pack {pack.hex()}: {exc}")
+            return
+        copies.setdefault(key, []).append(ObjectRecord(WHERE_PACK, length, head.raw_size, pack, offset,
+                                                       base=head.base))
+        if commits is not None and raw is not None:
+            _note_commit(key, raw, commits)
+
+
+def _entries_of(packs, pack: bytes) -> list[tuple[bytes, int, int]]:
+    """(key, offset, length) of a pack's entries: from its footer when it has one that reads,
+    else walked from its start (up to the first entry a damage or a cut makes unreadable)."""
+    size = packs.size(pack)
+    try:
+        listed = packs.listed(pack, size) if size is not None else None
+    except CorruptionError:
+        listed = None
+    if listed is not None:
+        return [(e.key, e.offset, e.length) for e in listed]
+    return list(packs.entries(pack))
 
 
 def _note_commit(key: bytes, raw, commits: list) -> None:

@@ -615,6 +615,28 @@ def test_two_hosts_removing_each_others_key_leave_one(tmp_path):
     assert not os.listdir(path / "removing-keys")
 
 
+def test_repair_of_an_encrypted_pack_drops_only_the_entries_a_damaged_segment_covers(tmp_path, cli):
+    """One flipped byte in an encrypted pack: repair read each pack whole, so the one damaged
+    segment failed the read and it dropped every object of the pack, undamaged tensors and
+    manifest nodes too. It now reads each entry on its own (the footer lists them)."""
+    path, key_file = tmp_path / "s", tmp_path / "k"
+    key_file.write_text("k")
+    a = torch.frombuffer(bytearray(os.urandom(600_000)), dtype=torch.uint8).clone()
+    with cas.open(path, key="k", compress=False, chunk_size=64 << 10) as store:
+        store.save({"a": a, "b": torch.arange(10)}, step=1)
+        keys = [k for t in store.tensors(1) for k in t["chunks"]]
+    (pack,) = [os.path.join(d, name) for d, _, names in os.walk(path / "packs") for name in names]
+    data = bytearray(open(pack, "rb").read())
+    data[200_000] ^= 1  # inside a's chunks
+    open(pack, "wb").write(bytes(data))
+    assert cli("--store", path, "repair", key_file=key_file).returncode == 0
+    with cas.open(path, key="k") as store:
+        assert torch.equal(store.reader(1).read_tensor("b"), torch.arange(10))
+        lost = [k for k in keys if store.objects.record(k) is None]
+        assert 1 <= len(lost) <= 2  # the chunks the damaged 64 KiB segment covers
+        assert store.verify().damaged_steps == [1]
+
+
 def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key_file(tmp_path, monkeypatch):
     pytest.importorskip("lightning")
     from test_lightning import Tiny, fitted
