@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import lmdb
 
 from cas.codecs import parse_header
+from cas.crypt import reading_from_disk
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
@@ -178,6 +179,13 @@ def _count_nodes_and_bases(store, report: VerifyReport, checkpoints, sound: list
 
 
 def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
+    """Check every object the checkpoints need as it is on disk now (in an encrypted store, no
+    segment this process opened before answers for it: crypt.reading_from_disk)."""
+    with reading_from_disk():
+        return _verify_checkpoints(store, checkpoints, quick=quick, progress=progress)
+
+
+def _verify_checkpoints(store, checkpoints, *, quick: bool, progress) -> VerifyReport:
     report = VerifyReport(quick=quick, read_only=store.readonly)
     verdict: dict[bytes, CorruptionError | None] = {}
 
