@@ -135,6 +135,7 @@ class StoreKeys:
         object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
         object.__setattr__(self, "_index", aead_cipher(_hkdf(self.master, b"cas index v1")))
         object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
+        object.__setattr__(self, "registry_mac", Namer(_hkdf(self.master, b"cas registry v1")).key)  # bytes -> 32
         object.__setattr__(self, "_aeads", {})  # salt -> its cipher (blob_aead)
 
     def __repr__(self) -> str:

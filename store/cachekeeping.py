@@ -37,6 +37,9 @@ class CacheKeeping:
         if self.readonly and self.location.local and self._private_cache is None:
             reason = self._shared_cache_lag()
             if reason is None:
+                with self.index.read() as txn:
+                    reason = self.registry.registry_damage(txn)
+            if reason is None:
                 return  # current when looked at: its writers keep it so (a later look may find a newer commit)
             self.cache_report.reason = reason
             self.index.close()
@@ -44,6 +47,14 @@ class CacheKeeping:
             self.objects.index = self.index
             self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
         cache.ensure_current(self, self.cache_report)
+        with self.index.read() as txn:
+            damage = self.registry.registry_damage(txn)
+        if damage is not None:  # the head is current, the rows are not what it folded: rebuild them
+            with self.index.write() as txn:
+                damage = self.registry.registry_damage(txn)
+                if damage is not None:
+                    self.cache_report.reason = self.cache_report.reason or damage
+                    cache.rebuild(self, txn, self.cache_report)
 
     def _shared_cache_lag(self, wait: float = 2.0) -> str | None:
         """Why the shared cache is behind the store, or None when it is current. A writer appends

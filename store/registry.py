@@ -22,11 +22,13 @@ import msgpack
 
 from cas import faults
 from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError, StoreWriteError
+from cas.hashing import hash_bytes
 
 from .records import FLAGS, RecordLog
 
 TABLE = "checkpoints"
 ORDER_TABLE = "order"
+ROWS, CHECK = b"registry_rows", b"registry_check"  # meta keys of the registry's check (registry_damage)
 TABLES = (TABLE, ORDER_TABLE)
 RECORD_FORMAT = 1
 _BIAS = 1 << 63
@@ -135,6 +137,49 @@ def _from_add(change: dict, seq: int) -> Checkpoint:
         raise CorruptionError(f"record log entry {seq} holds a damaged checkpoint record: {exc}") from None
 
 
+def applied(current: Checkpoint | None, change: dict, seq: int, where: str) -> Checkpoint | None:
+    """The checkpoint at `change`'s step once log entry `seq` applied it to `current` (None:
+    removed). A change that does not apply (an add where one exists, a set or remove of a
+    checkpoint that is gone or another) raises."""
+    op, step = change["op"], change["step"]
+    if op == "add":
+        if current is not None:
+            raise exists_error(step)
+        return _from_add(change, seq)
+    if current is None or current.key != bytes(change["id"]):
+        raise CheckpointNotFoundError(f"checkpoint {step} of the store at {where} was removed or replaced meanwhile")
+    if op == "remove":
+        return None
+    return dataclasses.replace(current, **{f: change[f] for f in FLAGS if f in change})
+
+
+def fold_records(entries, where: str, upto: int | None = None) -> dict[int, Checkpoint]:
+    """step -> checkpoint as the record log's entries (up to seq `upto`) leave it: what the
+    registry of a cache folded to that entry must hold. A damaged entry, one out of the chain,
+    or one whose change does not apply, is a CorruptionError."""
+    out: dict[int, Checkpoint] = {}
+    for entry in entries:
+        if upto is not None and entry.seq > upto:
+            break
+        for change in entry.changes:
+            try:
+                ck = applied(out.get(change["step"]), change, entry.seq, where)
+            except (CheckpointExistsError, CheckpointNotFoundError) as exc:
+                raise CorruptionError(f"record log entry {entry.seq} of the store at {where} does not apply: "
+                                      f"{exc}") from None
+            if ck is None:
+                del out[change["step"]]
+            else:
+                out[change["step"]] = ck
+    return out
+
+
+def differences(cached: Checkpoint, truth: Checkpoint) -> list[str]:
+    """The fields in which a cached checkpoint record differs from the record log's."""
+    mine, theirs = msgpack.unpackb(_pack(cached), raw=False), msgpack.unpackb(_pack(truth), raw=False)
+    return sorted(f for f in mine.keys() | theirs.keys() if mine.get(f) != theirs.get(f))
+
+
 def exists_error(step: int) -> CheckpointExistsError:
     return CheckpointExistsError(f"a checkpoint with step {step} already exists; steps are never "
                                  "overwritten (delete it first, or save under another step)")
@@ -232,6 +277,68 @@ class Registry:
             txn.delete(b"log_hash", db=meta)
         else:
             txn.put(b"log_hash", digest, db=meta)
+        txn.put(CHECK, self._check_of(seq, digest, self._rows_digest(txn)), db=meta)
+
+    # --- the registry's check: its rows, bound to the log entry they were folded to ---------------
+    # The open proves the cache's head current against the log; the rows themselves could still
+    # be other than that head's fold (a row put back from an older copy of the file, an edit, a
+    # flipped bit). So the cache keeps the XOR of a hash of every row (updated with each row
+    # written) and, with the head, a hash of (head, that XOR); an open recomputes it from the rows
+    # (registry_damage). Keyed with a subkey of the master key in an encrypted store, so that
+    # without the key no edit of the file can be made to pass.
+    def _row_hash(self, table: bytes, key: bytes, value) -> bytes:
+        data = b"%s\0%s%s" % (table, len(key).to_bytes(2, "big"), key) + bytes(value)
+        return self.sealer.registry_mac(data) if self.sealer is not None else hash_bytes(data)
+
+    def _check_of(self, seq: int, digest: bytes | None, rows: bytes) -> bytes:
+        data = b"cas registry check\0" + seq.to_bytes(8, "big") + (digest or b"") + rows
+        return self.sealer.registry_mac(data) if self.sealer is not None else hash_bytes(data)
+
+    def _rows_digest(self, txn) -> bytes:
+        return bytes(txn.get(ROWS, db=self.index.db("meta")) or bytes(32))
+
+    def _mix(self, txn, row_hash: bytes) -> None:
+        now = int.from_bytes(self._rows_digest(txn), "big") ^ int.from_bytes(row_hash, "big")
+        txn.put(ROWS, now.to_bytes(32, "big"), db=self.index.db("meta"))
+
+    def _put(self, txn, db, table: bytes, key: bytes, value: bytes) -> None:
+        old = txn.get(key, db=db)
+        if old is not None:
+            self._mix(txn, self._row_hash(table, key, old))
+        txn.put(key, value, db=db)
+        self._mix(txn, self._row_hash(table, key, value))
+
+    def _delete(self, txn, db, table: bytes, key: bytes) -> None:
+        old = txn.get(key, db=db)
+        if old is not None:
+            txn.delete(key, db=db)
+            self._mix(txn, self._row_hash(table, key, old))
+
+    def recompute_check(self, txn) -> None:
+        """Set the rows' digest and the check from the tables as they are (a cache filled
+        another way: from a snapshot, or written by a cas that kept no check)."""
+        txn.put(ROWS, self._digest_of_tables(txn), db=self.index.db("meta"))
+        self.set_head(txn, *self.head(txn))
+
+    def _digest_of_tables(self, txn) -> bytes:
+        acc = 0
+        for table, db in ((b"checkpoints", self.db), (b"order", self.order)):
+            if db is not None:
+                for key, value in txn.cursor(db=db):
+                    acc ^= int.from_bytes(self._row_hash(table, bytes(key), value), "big")
+        return acc.to_bytes(32, "big")
+
+    def registry_damage(self, txn) -> str | None:
+        """None when the registry's rows are those its check was made over, with the head the
+        cache holds; else what is wrong (the cache is then rebuilt from the record log)."""
+        check = txn.get(CHECK, db=self.index.db("meta"))
+        if check is None:
+            return "the index keeps no check of its checkpoint records (written by an older cas)"
+        seq, digest = self.head(txn)
+        if bytes(check) != self._check_of(seq, digest, self._digest_of_tables(txn)):
+            return ("the index's checkpoint records are not those it folded from the record log (damaged, "
+                    "edited or put back from an older copy)")
+        return None
 
     # --- changes ----------------------------------------------------------------------
     def commit(self, txn, why: str, changes: list[dict], *, gc: dict | None = None,
@@ -285,29 +392,27 @@ class Registry:
         """Apply one entry's changes to the cache tables, in order."""
         out = []
         for change in changes:
-            op, step = change["op"], change["step"]
+            step = change["step"]
             current = self.get(txn, step)
-            if op == "add":
-                if current is not None:
-                    raise exists_error(step)
-                ck = _from_add(change, seq)
-                txn.put(step_key(step), self._dump(ck), db=self.db)
-                txn.put(seq.to_bytes(8, "big") + step_key(step), b"", db=self.order)
-                out.append(ck)
-                continue
-            if current is None or current.key != bytes(change["id"]):
-                raise CheckpointNotFoundError(f"checkpoint {step} of the store at {self.store_root} was removed "
-                                              "or replaced meanwhile")
-            if op == "remove":
-                txn.delete(step_key(step), db=self.db)
-                txn.delete(current.seq.to_bytes(8, "big") + step_key(step), db=self.order)
+            ck = applied(current, change, seq, self.store_root)
+            if ck is None:
+                self._delete(txn, self.db, b"checkpoints", step_key(step))
+                self._delete(txn, self.order, b"order", current.seq.to_bytes(8, "big") + step_key(step))
                 out.append(current)
-            else:
-                ck = dataclasses.replace(current, **{f: change[f] for f in FLAGS if f in change})
-                txn.put(step_key(step), self._dump(ck), db=self.db)
-                out.append(ck)
+                continue
+            self._put(txn, self.db, b"checkpoints", step_key(step), self._dump(ck))
+            if current is None:
+                self._put(txn, self.order, b"order", seq.to_bytes(8, "big") + step_key(step), b"")
+            out.append(ck)
         return out
+
+    def order_keys(self, txn) -> list[tuple[int, int]]:
+        """(entry seq, step) of every row of the commit-order table."""
+        if self.order is None:
+            return []
+        return [(int.from_bytes(bytes(k)[:8], "big"), key_step(bytes(k)[8:])) for k, _ in txn.cursor(db=self.order)]
 
     def clear(self, txn) -> None:
         txn.drop(self.db, delete=False)
         txn.drop(self.order, delete=False)
+        txn.put(ROWS, bytes(32), db=self.index.db("meta"))

@@ -16,6 +16,8 @@ import msgpack
 
 from cas.errors import CasError
 
+from .registry import differences, fold_records
+
 SIGNATURE_DOMAIN = b"cas-checkpoint-signature-1"
 
 
@@ -129,15 +131,18 @@ def problem(change: dict | None, public_key: bytes) -> str | None:
 
 def check_store(store, public_key) -> dict[int, str]:
     """step -> problem for every checkpoint of the store that is not signed by `public_key` as
-    its record now stands (read from the record log, the store's truth)."""
+    its record now stands (read from the record log, the store's truth), or whose record as
+    the index serves it (to `cas ls`, `show`, loads) is not the signed one."""
     expected = public_key_bytes(public_key)
     adds: dict[int, dict] = {}
-    for entry in store.records.entries():
+    entries = list(store.records.entries())
+    for entry in entries:
         for change in entry.changes:
             if change["op"] == "add":
                 adds[change["step"]] = change
             elif change["op"] == "remove":
                 adds.pop(change["step"], None)
+    truth = fold_records(entries, store.path)
     out = {}
     for ck in store.checkpoints():
         change = adds.get(ck.step)
@@ -145,6 +150,10 @@ def check_store(store, public_key) -> dict[int, str]:
             out[ck.step] = "its record is not in the record log"
             continue
         why = problem(change, expected)
+        fields = differences(ck, truth[ck.step]) if why is None and ck.step in truth else []
+        if fields:
+            why = (f"the index serves a record that is not the signed one ({', '.join(fields)} differ); "
+                   "`cas repair` rebuilds the index from the record log")
         if why is not None:
             out[ck.step] = why
     return out

@@ -144,6 +144,7 @@ def _load(store, txn, body: dict) -> None:
                 ObjectRecord.unpack(value)  # each record parses
             txn.put(key, value, db=db)
     store.registry.set_head(txn, body["seq"], body["digest"])
+    store.registry.recompute_check(txn)  # over the rows the snapshot put
     txn.put(b"store_id", store.config.store_id.encode(), db=store.index.db("meta"))
     store.index.bump_generation(txn)
 

@@ -36,7 +36,7 @@ from .registry import Checkpoint, exists_error, remove_change, set_change
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
 from .tree import encode_nodes, plan
-from .verify import VerifyReport, verify_checkpoints
+from .verify import VerifyReport, registry_problems, verify_checkpoints
 
 
 @dataclass(frozen=True)
@@ -519,12 +519,16 @@ class CheckpointStore(CacheKeeping, Loading):
     def verify(self, step: int | None = None, *, quick: bool = False, progress=None) -> VerifyReport:
         """Decode every object of one checkpoint (or all) and check it against its hash; with
         quick=True check chunks for presence, size and header only (a damaged payload passes).
+        With no step, also read the whole record log and check the index's registry against it.
         What it finds is recorded in the index, so saves write those objects again and
         `cas repair` quarantines them. `progress(phase, done, total)` is called once per
         checkpoint."""
         self._check_open()
         cks = [self.resolve(step)] if step is not None else self.checkpoints()
-        return verify_checkpoints(self, cks, quick=quick, progress=progress)
+        report = verify_checkpoints(self, cks, quick=quick, progress=progress)
+        if step is None:  # the whole store: its record log and the registry folded from it too
+            report.problems[:0] = registry_problems(self)
+        return report
 
     def verify_signatures(self, public_key) -> dict[int, str]:
         """step -> what is wrong, for every checkpoint not signed by `public_key` (32 raw bytes,

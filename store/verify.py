@@ -25,6 +25,7 @@ from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
 
+from .registry import differences, fold_records
 from .stats import delta_bases, reach
 
 
@@ -71,6 +72,41 @@ class VerifyReport:
     def whole_steps(self) -> list[int]:
         damaged = set(self.damaged_steps)
         return [s for s in self.checked_checkpoints if s not in damaged]
+
+
+def registry_problems(store) -> list[Problem]:
+    """The record log read whole (every entry authenticated in an encrypted store and chained
+    to the one before) and the cache's registry compared with its fold up to the entry the cache
+    holds: a damaged entry, or a cached record or commit order that is not the log's (an index
+    damaged or edited, a record put back from an older copy), is a problem naming the step."""
+    if store.registry.log is None:
+        return []
+    store.ensure_cache()
+    try:
+        with store.index.read() as txn:
+            head, _ = store.registry.head(txn)
+            cached = {ck.step: ck for ck in store.registry.all(txn)}
+            order = set(store.registry.order_keys(txn))
+    except CorruptionError as exc:
+        return [Problem(exc.key, None, None, f"{exc.detail}; `cas repair` rebuilds the index from the store")]
+    try:
+        truth = fold_records(store.records.entries(), store.path, upto=head)
+    except CorruptionError as exc:
+        return [Problem(exc.key, None, None, f"the record log is damaged: {exc.detail}")]
+    out = []
+    for step in sorted(cached.keys() | truth.keys()):
+        mine, theirs = cached.get(step), truth.get(step)
+        if mine is None or theirs is None:
+            what = "is missing from the index" if mine is None else "is in the index but not in the record log"
+        else:
+            fields = differences(mine, theirs)
+            what = f"differs in the index from the record log ({', '.join(fields)})" if fields else None
+        if what is not None:
+            out.append(Problem(None, step, None, f"checkpoint {step} {what}; `cas repair` rebuilds the index"))
+    if order != {(ck.seq, ck.step) for ck in truth.values()}:
+        out.append(Problem(None, None, None, "the index's commit order is not the record log's (the newest checkpoint "
+                                             "would be wrong); `cas repair` rebuilds the index"))
+    return out
 
 
 def check_present(objects, key: bytes, _depth: int = 0) -> int:

@@ -13,6 +13,7 @@ import torch
 
 import cas
 from cas.store.records import RecordLog
+from cas.store.registry import step_key
 
 ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
 from cryptography.hazmat.primitives import serialization  # noqa: E402
@@ -134,6 +135,27 @@ def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_pa
     assert bad.returncode == 1 and "SIGNATURE: checkpoint 1" in bad.stdout and "checkpoint 3" in bad.stdout
     assert "checkpoint 2" not in bad.stdout
     assert "\nUNSIGNED: " in bad.stdout and "\nok" not in bad.stdout  # the summary line does not read as a pass
+
+
+def test_signatures_fail_where_the_index_serves_another_record_than_the_signed_one(tmp_path):
+    """The signatures were checked against the record log, while `cas ls`/`show` and loads read
+    the index: an index edited to show other metrics, meta or provenance passed the check."""
+    import dataclasses
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    pub = public_pem(key, tmp_path / "key.pub")
+    with cas.open(tmp_path / "s", signing_key=key) as store:
+        for step in (1, 2):
+            store.save({"w": torch.full((4,), float(step))}, step=step, metrics={"val_loss": 1.0})
+        with store.index.write() as txn:  # as an edit of the LMDB file would leave it
+            forged = dataclasses.replace(store.registry.get(txn, 2), metrics={"val_loss": 0.01})
+            txn.put(step_key(2), store.registry._dump(forged), db=store.registry.db)
+        problems = store.verify_signatures(pub)
+        assert set(problems) == {2} and "metrics" in problems[2]
+        report = store.verify()
+        assert not report.ok and report.damaged_steps == [2] and "metrics" in str(report.problems[0])
+    with cas.open(tmp_path / "s") as store:  # an open checks the index's records: rebuilt from the log
+        assert store.checkpoints()[1].metrics == {"val_loss": 1.0} and store.verify_signatures(pub) == {}
 
 
 def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):

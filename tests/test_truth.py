@@ -362,6 +362,86 @@ def test_a_damaged_log_entry_is_named_and_nothing_is_changed(tmp_path):
     assert result.returncode == 2 and "log" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_verify_reads_the_whole_record_log_and_checks_the_index_against_it(tmp_path):
+    """`cas verify` said ok while a record log entry was damaged (only `cas log` and a rebuild
+    saw it), and while the index served a checkpoint record or a commit order other than the
+    log's (a row put back from an older copy of the index: a deleted checkpoint's contents, a
+    pin undone, an older step as the newest)."""
+    from dataclasses import replace
+
+    from cas.store.registry import step_key
+
+    path = tmp_path / "s"
+    build(path)
+    with open_store(path) as store:
+        assert store.verify().ok
+        with store.index.write() as txn:
+            txn.put(step_key(3), store.registry._dump(replace(store.registry.get(txn, 3), pinned=False)),
+                    db=store.registry.db)
+        report = store.verify()
+        assert report.damaged_steps == [3] and "pinned" in str(report.problems[0])
+    drop_index_files(path)
+    with open_store(path) as store:
+        assert store.verify().ok
+        with store.index.write() as txn:
+            cursor = txn.cursor(db=store.registry.order)
+            cursor.last()
+            cursor.delete()
+        assert store.latest().step == 3 and not store.verify().ok
+    assert cli("verify", path=path).returncode == 1
+    drop_index_files(path)
+    open_store(path).close()  # rebuilt: current, and no open reads old entries again
+    entry = path / "log" / f"{2:016x}"
+    data = bytearray(entry.read_bytes())
+    data[-3] ^= 0xFF
+    os.chmod(entry, 0o644)
+    entry.write_bytes(bytes(data))
+    result = cli("verify", path=path)
+    assert result.returncode == 1 and "record log is damaged" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+def test_an_index_whose_checkpoint_records_are_not_its_folds_is_rebuilt_at_open(tmp_path, key):
+    """An open proved the head the index folded to, not the rows: a checkpoint record put back
+    from an older copy of the index (another checkpoint at that step, a pin undone: gc then
+    removed the pinned step), a commit-order row edited (an older step served as the newest),
+    or a flipped bit in a sealed record (every read of it failed) passed. The index keeps a
+    check of its rows bound to its head; an open that finds them other rebuilds them."""
+    import lmdb
+
+    from cas.store.registry import step_key
+
+    path = tmp_path / "s"
+    with cas.open(path, key=key) as store:
+        store.save(state_of([1]), step=1)
+        store.pin(1)
+        with store.index.read() as txn:
+            pinned_row = bytes(txn.get(step_key(1), db=store.registry.db))
+        store.unpin(1)
+        store.save(state_of([2]), step=2)
+        store.pin(2)
+        expected = flags(store)
+    for damage in ("an older row", "an order row gone", "a flipped bit"):
+        env = lmdb.open(str(path / "index"), max_dbs=64)  # (closed before cas opens it: one per process)
+        with env.begin(write=True) as txn:
+            rows, order = env.open_db(b"checkpoints", txn=txn), env.open_db(b"order", txn=txn)
+            if damage == "an older row":  # step 1 pinned again, step 2 not
+                txn.put(step_key(1), pinned_row, db=rows)
+            elif damage == "an order row gone":  # step 1 the newest
+                cursor = txn.cursor(db=order)
+                cursor.last()
+                cursor.delete()
+            else:
+                row = bytearray(txn.get(step_key(2), db=rows))
+                row[len(row) // 2] ^= 0x40
+                txn.put(step_key(2), bytes(row), db=rows)
+        env.close()
+        with cas.open(path, key=key) as store:
+            assert "not those it folded" in store.cache_report.reason, damage
+            assert flags(store) == expected and store.latest().step == 2
+            assert store.verify().ok
+
+
 def test_a_log_entry_renamed_into_a_gap_is_refused(tmp_path):
     path = tmp_path / "s"
     build(path)
