@@ -27,7 +27,7 @@ from typing import Iterator
 import msgpack
 
 from .backend import Backend
-from .errors import BlobAbsentError, CorruptionError, MissingObjectError
+from .errors import BlobAbsentError, CasError, CorruptionError, MissingObjectError
 from .fanout import Fanout
 from .crypt import namer_of
 from .hashing import to_hex
@@ -135,6 +135,30 @@ class PackFiles(Fanout):
         except CorruptionError:  # a damaged footer: the entries up to the damage, walked
             listed = None
         return [e.key for e in listed] if listed is not None else [key for key, _, _ in self.entries(pack)]
+
+    def entry_header(self, pack: bytes, offset: int) -> tuple[bytes, int]:
+        """(key, length) from the header before the entry at `offset` (one small read)."""
+        if offset < PACK_HEADER + _ENTRY.size:
+            raise CorruptionError(f"pack {to_hex(pack)} has no entry at {offset}")
+        return _ENTRY.unpack(self.backend.get(self.name(pack), offset - _ENTRY.size, _ENTRY.size))
+
+    def footer_trusted(self, pack: bytes) -> bool:
+        """Whether the pack's footer is the one it was written with. Its name is the hash of its
+        footer and trailer (a streamed pack) or of all its bytes (`write`), so recomputing it
+        proves the list. gc deletes and rewrites a pack by that list: a key damaged in it would
+        have made a live entry look dead (an audit lost a checkpoint that way)."""
+        size = self.size(pack)
+        if size is None or size < _TRAILER.size:
+            return False
+        namer, name = namer_of(self.backend), self.name(pack)
+        try:
+            length, magic = _TRAILER.unpack(self.backend.get(name, size - _TRAILER.size, _TRAILER.size))
+            if magic == FOOTER_MAGIC and length + _TRAILER.size <= size \
+                    and namer.key(self.backend.get(name, size - length - _TRAILER.size, length + _TRAILER.size)) == pack:
+                return True
+            return namer.key(self.backend.get(name)) == pack
+        except (CasError, OSError, struct.error):
+            return False
 
     def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
         """(object key, offset, length) of each entry, read from the pack itself (for repair).

@@ -430,11 +430,17 @@ def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
             entries = packs.keys(pack)  # its footer: one read of its tail
         except (CorruptionError, OSError):
             continue  # a damaged pack (or one another gc removed) is verify's business, never gc's
+        with index.read() as txn:
+            placed = sum(1 for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack)
+        if placed and placed == len(entries):
+            continue  # nothing dead in it: nothing to do, held or not
+        if not packs.footer_trusted(pack):
+            continue  # its list of entries is damaged: a live entry may look dead (verify's business)
         with index.write() as txn:
             recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
             live = list(recs)
             if live and len(live) == len(entries):
-                continue  # nothing dead in it: nothing to do, held or not
+                continue
             if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 busy.add(pack)
                 continue

@@ -343,16 +343,28 @@ def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool,
 
 
 def _entries_of(packs, pack: bytes) -> list[tuple[bytes, int, int]]:
-    """(key, offset, length) of a pack's entries: from its footer when it has one that reads,
-    else walked from its start (up to the first entry a damage or a cut makes unreadable)."""
+    """(key, offset, length) of a pack's entries: the places its footer lists, each with the key
+    of the entry's own header in the pack (a key damaged in the footer must not rename an
+    entry; an entry whose header cannot be read is left out); else, with no footer that reads,
+    walked from its start (up to the first entry a damage or a cut makes unreadable)."""
     size = packs.size(pack)
     try:
         listed = packs.listed(pack, size) if size is not None else None
     except CorruptionError:
         listed = None
-    if listed is not None:
+    if listed is None:
+        return list(packs.entries(pack))
+    if packs.footer_trusted(pack):
         return [(e.key, e.offset, e.length) for e in listed]
-    return list(packs.entries(pack))
+    out = []
+    for e in listed:
+        try:
+            key, length = packs.entry_header(pack, e.offset)
+        except (CorruptionError, OSError):
+            continue
+        if length == e.length:
+            out.append((key, e.offset, length))
+    return out
 
 
 def _note_commit(key: bytes, raw, commits: list) -> None:
