@@ -387,6 +387,8 @@ def parse_header(data, *, key: bytes | None = None) -> Header:
     magic, fmt, nstages, raw_size = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise CorruptionError("object does not start with the cas object magic", key=name)
+    if fmt < min(OBJECT_FORMATS):  # no format is older than the first: a damaged byte, not a newer cas
+        raise CorruptionError(f"object header names object format {fmt}, which no cas wrote", key=name)
     if fmt not in OBJECT_FORMATS:
         raise FormatVersionError(f"object {name} has object format {fmt}; this cas reads formats "
                                  f"{', '.join(map(str, OBJECT_FORMATS))}")

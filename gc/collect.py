@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER, PACK_TARGET
 from cas.progress import ProgressCallback
-from cas.store.cache import stored_anywhere
+from cas.store.cache import move_aside, stored_anywhere
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -367,9 +366,7 @@ def _rebuild_index(store, reason: str) -> None:
     if busy or not store.location.local:
         raise CasError(f"gc stopped before deleting anything: {reason}, so the index may be damaged; run "
                        "`cas repair` (it rebuilds it from the store), then gc again")
-    folder = store.index.path
-    aside = f"{folder}.damaged-{int(time.time())}-{os.getpid()}"
-    os.rename(folder, aside)
+    aside = move_aside(store.index.path)
     store.cache_report.reason = f"gc found the index inconsistent with the store ({reason}); moved to {aside}"
     store.ensure_cache()  # reopens the index at its path: a new one, rebuilt from the store
 

@@ -66,10 +66,21 @@ def open_index(folder: str, *, readonly: bool, report: RebuildReport) -> tuple[I
     if readonly:
         return private_index()
     if os.path.lexists(folder):
-        report.moved_aside = f"{folder}.damaged-{int(time.time())}-{os.getpid()}"
-        os.rename(folder, report.moved_aside)
+        report.moved_aside = move_aside(folder)
     os.makedirs(folder, exist_ok=True)
     return Index(folder, create=True, extra_tables=TABLES), None
+
+
+def move_aside(folder: str) -> str:
+    """Rename a damaged index to `<folder>.damaged-<time>-<pid>[-n]` (never deleted: it may be
+    all there is to learn from); the name it got. Two in one second get two names."""
+    base = f"{folder}.damaged-{int(time.time())}-{os.getpid()}"
+    for n in range(1000):
+        aside = base if n == 0 else f"{base}-{n}"
+        if not os.path.lexists(aside):
+            os.rename(folder, aside)
+            return aside
+    raise CasError(f"cannot move the damaged index {folder} aside: {base} and 999 more names are taken")
 
 
 def private_index() -> tuple[Index, str]:

@@ -92,6 +92,26 @@ def test_absurd_object_headers_are_refused(header):
         decode_into(header + b"\x00" * 32, KEY)
 
 
+def test_an_object_format_byte_flipped_to_zero_is_damage_that_verify_names(store):
+    """No cas wrote object format 0: one bit flipped (1 -> 0) was a FormatVersionError ("upgrade
+    cas"), so `cas verify` stopped at it and repair could not quarantine it. It is damage."""
+    with pytest.raises(CorruptionError):
+        decode_into(b"caso\x00\x00" + (10).to_bytes(8, "little") + b"\x00" * 32, KEY)
+    _saved(store)
+    key = store.tensors(1)[0]["chunks"][0]
+    rec = store.objects.record(key)
+    path, at = (store.objects.packs.path(rec.pack), rec.offset) if rec.where == WHERE_PACK \
+        else (store.objects.files.path(key), 0)
+    data = bytearray(open(path, "rb").read())
+    assert data[at + 4] == 1
+    data[at + 4] = 0
+    os.chmod(path, 0o644)
+    with open(path, "wb") as f:
+        f.write(data)
+    report = store.verify()
+    assert report.damaged_steps == [1] and report.whole_steps == [2]
+
+
 def _saved(store):
     g = torch.Generator().manual_seed(0)
     store.save({"big": torch.randn(64, 1024, generator=g), "small": torch.arange(10)}, step=1)

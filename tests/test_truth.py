@@ -308,6 +308,20 @@ def test_gc_over_a_store_that_lost_an_object_does_not_rebuild_its_index_each_tim
     assert "1 objects the checkpoints need are missing" in cli("gc", "--keep-all", path=path).stdout
 
 
+def test_indexes_moved_aside_in_the_same_second_get_two_names(tmp_path):
+    """Two damaged indexes moved aside by one process in one second: the second rename hit the
+    first's name (an OSError out of gc, "Directory not empty")."""
+    from cas.store.cache import move_aside
+
+    folder = tmp_path / "index"
+    names = []
+    for _ in range(2):
+        folder.mkdir()
+        (folder / "data.mdb").write_bytes(b"x")
+        names.append(move_aside(str(folder)))
+    assert len(set(names)) == 2 and all(os.path.isdir(n) for n in names) and not folder.exists()
+
+
 def test_a_rebuild_killed_half_way_leaves_a_store_that_rebuilds_again(tmp_path):
     path = tmp_path / "s"
     expected = build(path)
