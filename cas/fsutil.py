@@ -14,6 +14,7 @@ import platform
 import re
 import secrets
 import socket
+import stat
 import threading
 from typing import Callable
 
@@ -293,7 +294,7 @@ def atomic_write(path: str, parts, *, tmp_dir: str | None = None) -> None:
 
 def read_head(path: str, nbytes: int) -> bytes:
     """The first `nbytes` of a file (an object's header)."""
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         return f.read(nbytes)
 
 
@@ -315,12 +316,23 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at `path`. Not through a symlink (it must
+    not lead out of the store), and not a FIFO or device put in a file's place: opened
+    non-blocking (reading one would wait for a writer forever) and refused (an OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
 def read_file(path: str, limit: int, buffer: Callable[[int], memoryview] | None = None):
     """Read a whole file, refusing one larger than `limit` (a hostile or damaged file must not
     make us allocate without bound). With `buffer(n)` giving a reusable writable buffer of at
     least n bytes, read into it and return a memoryview of the bytes read (hot paths avoid a
     fresh allocation per file); else return new bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink must not lead out of the store
+    fd = open_regular(path)
     with open(fd, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:

@@ -24,8 +24,8 @@ from typing import Iterable, Iterator
 
 from .backend import MAX_BLOB, Buffer, Capabilities, Staged
 from .errors import BlobAbsentError, CasError, MissingObjectError
-from .fsutil import (OWNER_PREFIX, fsync_dir, fsync_file, host_tag, lock_held, name_new, open_tmp, owner_alive, owner_file,
-                     pid_alive, publish, pwrite_parts, read_head, start_writeback, tmp_owner, unlink_quietly, write_tmp)
+from .fsutil import (OWNER_PREFIX, fsync_dir, fsync_file, host_tag, lock_held, name_new, open_regular, open_tmp,
+                     owner_alive, owner_file, pid_alive, publish, pwrite_parts, read_head, start_writeback, tmp_owner, unlink_quietly, write_tmp)
 
 TMP_FOLDER = "tmp"
 # Reads into a caller's buffer of at least this many bytes map the file instead: the decoder (or
@@ -110,7 +110,7 @@ class LocalBackend:
     # --- reads ------------------------------------------------------------------------------
     def get(self, name: str, start: int = 0, length: int | None = None, *, buffer: Buffer | None = None):
         try:  # a symlink must not lead out of the store
-            fd = os.open(self.path(name), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_regular(self.path(name))
         except FileNotFoundError:
             raise BlobAbsentError(f"{name} is missing from the store at {self.root}") from None
         except OSError as exc:  # a folder or a symlink in its place, unreadable

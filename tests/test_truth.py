@@ -179,6 +179,21 @@ def test_an_index_data_file_that_is_a_fifo_is_moved_aside_and_rebuilt(tmp_path):
         assert flags(store) == expected and store.cache_report.moved_aside is not None
 
 
+@pytest.mark.parametrize("blob", ["config", "log entry"])
+def test_a_config_or_log_entry_that_is_a_fifo_is_refused_not_waited_on(tmp_path, blob):
+    """Reading a FIFO put in a file's place waits for a writer forever: an open (and `cas ls`)
+    hung on a config or, with the index lost, a log entry that was one."""
+    path = tmp_path / "s"
+    build(path)
+    target = path / "config" if blob == "config" else path / "log" / f"{2:016x}"
+    target.unlink()
+    os.mkfifo(target)
+    if blob != "config":
+        drop_index_files(path)
+    result = cli("ls", path=path)  # (a hang is a TimeoutExpired)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_format_1_store_is_upgraded_on_its_first_writable_open(tmp_path):
     """tests/data/store-v1.tar.gz was written by the format-1 cas: steps 1-4 delta-coded, step 1
     pinned, 2 made a milestone after its save, 3 made one and unmade, 4 deleted."""
