@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from cas.codecs import can_delta
+from cas.codecs import MAX_OBJECT_RAW, can_delta
 from cas.errors import CorruptionError
 from cas.hashing import KEY_SIZE, PLAIN, Namer
 
@@ -273,9 +273,9 @@ def _check_tensor_node(node: dict, name: str) -> None:
     shape, chunks, chunk = node.get("shape"), node.get("chunks"), node.get("chunk")
     ok = (node.get("lib") in ("torch", "numpy") and isinstance(node.get("dtype"), str)
           and isinstance(shape, list) and len(shape) <= MAX_DIMS
-          and all(type(d) is int and d >= 0 for d in shape)
+          and all(type(d) is int and 0 <= d < 1 << 63 for d in shape)  # (torch's sizes are int64)
           and isinstance(chunks, list) and all(isinstance(c, bytes) and len(c) == KEY_SIZE for c in chunks)
-          and type(chunk) is int and chunk > 0
+          and type(chunk) is int and 0 < chunk <= MAX_OBJECT_RAW  # (no chunk is larger than an object can be)
           and type(node.get("skew", 0)) is int and 0 <= node.get("skew", 0) < chunk)
     if not ok:
         raise CorruptionError("tensor node is malformed", key=name)

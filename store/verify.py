@@ -225,15 +225,20 @@ def _verify_checkpoints(store, checkpoints, *, quick: bool, progress) -> VerifyR
     report = VerifyReport(quick=quick, read_only=store.readonly)
     verdict: dict[bytes, CorruptionError | None] = {}
 
-    def check(key: bytes) -> CorruptionError | None:
+    sizes: dict[bytes, int] = {}
+
+    def check(key: bytes, span: tuple[int, int]) -> CorruptionError | None:
         if key not in verdict:
             try:
-                size = check_present(store.objects, key) if quick else store.objects.get(key).size
+                sizes[key] = check_present(store.objects, key) if quick else store.objects.get(key).size
                 report.checked_chunks += 1
-                report.checked_bytes += size
+                report.checked_bytes += sizes[key]
                 verdict[key] = None
             except CorruptionError as exc:
                 verdict[key] = exc
+        if verdict[key] is None and sizes[key] != span[1] - span[0]:  # a node that does not fit its chunks
+            return CorruptionError(f"the tensor node places {span[1] - span[0]} bytes in this chunk, which holds "
+                                   f"{sizes[key]}", key=key.hex())
         return verdict[key]
 
     for i, ck in enumerate(checkpoints):
@@ -242,8 +247,8 @@ def _verify_checkpoints(store, checkpoints, *, quick: bool, progress) -> VerifyR
         report.checked_checkpoints.append(ck.step)
         try:
             for tensor in store.tensors(ck.step):
-                for key in tensor["chunks"]:
-                    err = check(key)
+                for key, span in zip(tensor["chunks"], tensor["spans"]):
+                    err = check(key, span)
                     if err is not None:
                         report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
         except CorruptionError as exc:  # a manifest node is damaged: the rest of this tree is unreachable

@@ -112,6 +112,58 @@ def test_an_object_format_byte_flipped_to_zero_is_damage_that_verify_names(store
     assert report.damaged_steps == [1] and report.whole_steps == [2]
 
 
+def _crafted_checkpoint(path, step: int, tensor_node: dict, chunk: bytes) -> None:
+    """A checkpoint whose one tensor node is `tensor_node` (its chunks: `chunk`'s key), written
+    as a hostile writer with access to the folder would: objects with valid names and headers,
+    a log entry chained to the last."""
+    import glob
+    import time
+
+    from cas.store.values import Ref
+
+    def put(raw: bytes) -> bytes:
+        key = hash_bytes(raw)
+        os.makedirs(os.path.join(path, "objects", key.hex()[:2]), exist_ok=True)
+        with open(os.path.join(path, "objects", key.hex()[:2], key.hex()), "wb") as f:
+            f.write(b"caso\x01\x00" + len(raw).to_bytes(8, "little") + raw)
+        return key
+
+    c = put(chunk)
+    node = put(pack(dict(tensor_node, chunks=[c] * len(tensor_node["chunks"]))))
+    tree = put(pack({"k": "value", "v": {"x": Ref(node)}}))
+    commit = put(pack({"k": "commit", "format": 1, "step": step, "created": time.time(), "milestone": False,
+                       "metrics": {}, "meta": {}, "tree": Ref(tree), "logical_bytes": 16}))
+    last = sorted(glob.glob(os.path.join(path, "log", "*")))[-1]
+    seq = int(os.path.basename(last), 16) + 1
+    add = {"op": "add", "step": step, "id": commit, "created": time.time(), "milestone": False, "pinned": False,
+           "metrics": {}, "meta": {}, "logical_bytes": 16, "new_bytes": 0, "packs": [], "provenance": {}}
+    body = {"format": 1, "seq": seq, "prev": hash_bytes(open(last, "rb").read()), "why": "save",
+            "time": time.time(), "host": "h", "pid": 1, "user": "u", "changes": [add]}
+    with open(os.path.join(path, "log", f"{seq:016x}"), "wb") as f:
+        f.write(b"cas-log\n" + msgpack.packb(body, use_bin_type=True))
+
+
+def test_tensor_nodes_that_do_not_fit_their_chunks_are_damage_before_any_allocation(tmp_path):
+    """Nodes with valid hashes whose sizes do not fit: one 16-byte chunk for a 4 TiB tensor in
+    chunks of 2**62 bytes (torch tried to allocate 4 TiB), a dimension of 2**63 (torch's
+    TypeError escaped restore's fallback), chunks of 16 bytes where the node places 3 (verify
+    said ok, every load failed). Each is a CorruptionError, and verify names it."""
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=65536) as store:
+        store.save({"x": torch.zeros(4)}, step=1)
+    base = {"k": "tensor", "lib": "torch", "dtype": "float32", "chunk": 65536}
+    _crafted_checkpoint(path, 2, dict(base, shape=[2**40], chunk=2**62, chunks=[0]), bytes(16))
+    _crafted_checkpoint(path, 3, dict(base, shape=[0, 2**63], chunks=[]), bytes(16))
+    _crafted_checkpoint(path, 4, dict(base, shape=[4], chunk=3, chunks=[0] * 6), bytes(16))
+    with cas.open(path) as store:
+        for step in (2, 3, 4):
+            with pytest.raises(CorruptionError):
+                store.load(step)
+        assert store.verify().damaged_steps == [2, 3, 4]
+        restored = store.restore({"x": torch.ones(4)}, fallback=True)
+        assert restored.checkpoint.step == 1 and torch.equal(restored["x"], torch.zeros(4))
+
+
 def _saved(store):
     g = torch.Generator().manual_seed(0)
     store.save({"big": torch.randn(64, 1024, generator=g), "small": torch.arange(10)}, step=1)
