@@ -16,7 +16,8 @@ import importlib
 import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
-                     DistributedCheckpointError, FormatVersionError, KeyRemovalRefusedError, KeyRequiredError,
+                     DistributedCheckpointError, FormatVersionError, KeyFileError,
+                     KeyRemovalRefusedError, KeyRequiredError,
                      MissingObjectError, NotAStoreError, NotEncryptedError, ObjectStoreError, ReadOnlyStoreError,
                      RetentionRefusedError, StateMismatchError, StoreClosedError, StoreKeyError, StoreWriteError,
                      UnresumableStateError, UnsupportedFilesystemError, WrongKeyError)
@@ -72,4 +73,5 @@ __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
            "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
            "UnresumableStateError", "UnsupportedFilesystemError", "DistributedCheckpointError", "ObjectStoreError",
-           "StoreKeyError", "KeyRequiredError", "WrongKeyError", "NotEncryptedError", "KeyRemovalRefusedError", "open"]
+           "StoreKeyError", "KeyRequiredError", "WrongKeyError", "NotEncryptedError", "KeyRemovalRefusedError",
+           "KeyFileError", "open"]

@@ -170,3 +170,8 @@ class NotEncryptedError(StoreKeyError):
 
 class KeyRemovalRefusedError(StoreKeyError):
     """`cas key remove` of the last key, or of the key the store was opened with."""
+
+
+class KeyFileError(StoreKeyError):
+    """A key file ($CAS_KEY_FILE, --new-key-file) that cannot be taken as a key: too long to be
+    read whole (a key cut short would be another key)."""

@@ -22,7 +22,8 @@ import blake3
 import msgpack
 
 from . import faults
-from .errors import CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, WrongKeyError
+from .errors import (CasError, CorruptionError, KeyFileError, KeyRemovalRefusedError,
+                     KeyRequiredError, WrongKeyError)
 from .hashing import KEY_SIZE, Namer
 
 KEYS_PREFIX = "keys/"
@@ -92,27 +93,44 @@ class KeyText(str):
     opens from the file too (each key blob says which kind it wraps: unlock)."""
 
 
+KEY_FILE_LIMIT = 64 << 10  # bytes: a key file longer than this is refused, never cut short
+
+
 def read_key_file(path: str) -> str | bytes:
-    """The key a file holds: exactly 32 bytes that are not one line of text are a raw key;
-    32 printable ones (a trailing newline aside) are either (KeyText); anything else is a
-    passphrase (UTF-8, one trailing newline stripped)."""
-    try:
-        with open(os.path.expanduser(path), "rb") as f:
-            data = f.read(1 << 16)
-    except OSError as exc:
-        raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
-    if len(data) == KEY_SIZE and not _printable(data):
+    """The key a file holds. Its text (one trailing newline, LF or CRLF, aside) when that is
+    printable UTF-8: a passphrase, or either kind when exactly 32 bytes (KeyText). Otherwise 32
+    bytes are a raw key, and anything else a UTF-8 passphrase. The text is tried first, so a
+    31-character passphrase written with `echo` is not taken for 32 raw bytes."""
+    data = _read_key_bytes(path)
+    text = _strip_newline(data)
+    if _printable(text):
+        return KeyText(text.decode("utf-8")) if len(text) == KEY_SIZE else text.decode("utf-8")
+    if len(data) == KEY_SIZE:
         return data
-    if data.endswith(b"\r\n"):
-        data = data[:-2]
-    elif data.endswith(b"\n"):
-        data = data[:-1]
-    if len(data) == KEY_SIZE and _printable(data):
-        return KeyText(data.decode("utf-8"))
     try:
-        return data.decode("utf-8")
+        return text.decode("utf-8")
     except UnicodeDecodeError:
         raise CasError(f"the key file {path} is neither {KEY_SIZE} raw bytes nor a UTF-8 passphrase") from None
+
+
+def _read_key_bytes(path: str) -> bytes:
+    """The whole file, or KeyFileError: a key silently cut short would open a store made
+    with its prefix, and never the one made with the whole of it."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read(KEY_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
+    if len(data) > KEY_FILE_LIMIT:
+        raise KeyFileError(f"the key file {path} is over {KEY_FILE_LIMIT} bytes (64 KiB), the most a key file "
+                           "may hold (a key is never cut short): use a shorter passphrase or a 32-byte raw key")
+    return data
+
+
+def _strip_newline(data: bytes) -> bytes:
+    if data.endswith(b"\r\n"):
+        return data[:-2]
+    return data[:-1] if data.endswith(b"\n") else data
 
 
 def _printable(data: bytes) -> bool:

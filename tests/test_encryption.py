@@ -212,6 +212,42 @@ def test_a_key_file_of_32_printable_bytes_opens_a_store_made_with_them_as_a_pass
         cas.open(made, key=text.encode())
 
 
+def test_a_passphrase_written_by_echo_is_text_even_when_the_file_is_32_bytes(tmp_path, monkeypatch):
+    """31 characters and echo's newline (or 30 and CRLF) make 32 bytes: the text is read first,
+    so they open the store made with that passphrase; only 32 bytes that are not one line of
+    text are a raw key."""
+    key_file = tmp_path / "key"
+    monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+    for phrase, end in (("correct horse battery staple 31", b"\n"), ("correct horse battery staple 3", b"\r\n")):
+        path = tmp_path / str(len(phrase))
+        with cas.open(path, key=phrase) as store:
+            store.save({"a": torch.ones(3)}, step=1)
+        key_file.write_bytes(phrase.encode() + end)
+        assert len(phrase.encode() + end) == 32 and read_key_file(str(key_file)) == phrase
+        with cas.open(path) as store:
+            assert torch.equal(store.load(1)["a"], torch.ones(3))
+    raw = bytes(range(31)) + b"\n"  # 32 bytes, not text: raw, newline and all
+    key_file.write_bytes(raw)
+    assert read_key_file(str(key_file)) == raw
+
+
+def test_a_key_file_over_64_kib_is_refused_not_cut_short(tmp_path, monkeypatch):
+    """A key past the first 64 KiB was dropped silently: a store made with the whole passphrase
+    did not open, and one made with its first 64 KiB opened from a different file."""
+    with cas.open(tmp_path / "s", key="x" * (64 << 10)) as store:
+        store.save({"a": torch.ones(3)}, step=1)
+    key_file = tmp_path / "key"
+    key_file.write_text("x" * (64 << 10))  # exactly 64 KiB: read whole
+    monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+    with cas.open(tmp_path / "s") as store:
+        assert torch.equal(store.load(1)["a"], torch.ones(3))
+    key_file.write_text("x" * (64 << 10) + "SOMETHING ELSE")
+    with pytest.raises(cas.KeyFileError, match=f"key file {key_file} is over 65536 bytes"):
+        cas.open(tmp_path / "s")
+    with pytest.raises(cas.KeyFileError):
+        read_key_file(str(key_file))
+
+
 def test_keys_added_and_removed_without_rewriting_data(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, key="first") as store:
