@@ -175,3 +175,8 @@ class KeyRemovalRefusedError(StoreKeyError):
 class KeyFileError(StoreKeyError):
     """A key file ($CAS_KEY_FILE, --new-key-file) that cannot be taken as a key: too long to be
     read whole (a key cut short would be another key)."""
+
+
+class DuplicateKeyError(StoreKeyError):
+    """`cas key add` of a key that already opens the store: a second id for it would survive
+    `cas key remove` of the first, and the key would not be revoked."""

@@ -22,7 +22,7 @@ import blake3
 import msgpack
 
 from . import faults
-from .errors import (CasError, CorruptionError, KeyFileError, KeyRemovalRefusedError,
+from .errors import (CasError, CorruptionError, DuplicateKeyError, KeyFileError, KeyRemovalRefusedError,
                      KeyRequiredError, WrongKeyError)
 from .hashing import KEY_SIZE, Namer
 
@@ -312,9 +312,15 @@ def check_fields(encryption, where: str) -> dict:
     return encryption
 
 
-def add_key(backend, store_id: str, keys: StoreKeys, new_key) -> str:
-    """Write a keys/ blob wrapping the store's master key under `new_key` (create-only); its id."""
+def add_key(backend, store_id: str, keys: StoreKeys, new_key, where: str = "") -> str:
+    """Write a keys/ blob wrapping the store's master key under `new_key` (create-only); its id.
+    DuplicateKeyError when `new_key` already opens the store: a second id for it would outlive
+    `cas key remove` of the first, and the user would believe the key revoked."""
     user = user_key(new_key)
+    existing = key_opening(backend, store_id, keys, new_key)
+    if existing is not None:
+        raise DuplicateKeyError(f"this key already opens the store{' at ' + where if where else ''} as key "
+                                f"{existing}; no second key was added (`cas key remove {existing}` revokes it)")
     for _ in range(8):
         key_id = new_key_id()
         data = key_blob(store_id, key_id, keys.master, user)
@@ -323,6 +329,15 @@ def add_key(backend, store_id: str, keys: StoreKeys, new_key) -> str:
             faults.point("keys.added")
             return key_id
     raise CasError("could not draw a free key id")  # eight 64-bit collisions: not chance
+
+
+def key_opening(backend, store_id: str, keys: StoreKeys, key) -> str | None:
+    """The id of the keys/ blob that `key` unlocks to this store's master key, or None (tried
+    as at open: unlock)."""
+    try:
+        return unlock(backend, store_id, {"check": keys.check}, key, "").key_id
+    except WrongKeyError:
+        return None
 
 
 def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:

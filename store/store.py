@@ -166,9 +166,10 @@ class CheckpointStore(CacheKeeping, Loading):
 
     def add_key(self, key) -> str:
         """Let another key (a passphrase or 32 raw bytes) open this store: one new keys/ blob,
-        created create-only, wrapping the same master key; no data is rewritten. Its id."""
+        created create-only, wrapping the same master key; no data is rewritten. Its id.
+        DuplicateKeyError when the key already opens the store (naming its id)."""
         self._check_writable("add a key")
-        return crypt.add_key(self.backend, self.config.store_id, self._keys(), key)
+        return crypt.add_key(self.backend, self.config.store_id, self._keys(), key, self.path)
 
     def remove_key(self, key_id: str) -> None:
         """Remove the key `key_id`: refused for the last key and for the one this store was

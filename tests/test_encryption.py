@@ -248,6 +248,29 @@ def test_a_key_file_over_64_kib_is_refused_not_cut_short(tmp_path, monkeypatch):
         read_key_file(str(key_file))
 
 
+def test_adding_a_key_that_already_opens_the_store_is_refused_naming_its_id(tmp_path, cli):
+    """A second id for a key outlives `cas key remove` of the first: the user believes the key
+    revoked while it still opens the store. Passphrases, raw keys and the key the store was
+    opened with alike."""
+    path, admin, bob = tmp_path / "s", tmp_path / "admin", tmp_path / "bob"
+    with cas.open(path, key="admin") as store:
+        store.save({"a": torch.ones(3)}, step=1)
+        admin_id = store.key_id
+        bob_id = store.add_key("bob's passphrase")
+        raw_id = store.add_key(RAW_KEY)
+        for key, key_id in (("admin", admin_id), ("bob's passphrase", bob_id), (RAW_KEY, raw_id)):
+            with pytest.raises(cas.DuplicateKeyError, match=f"already opens the store at .* as key {key_id}"):
+                store.add_key(key)
+        assert sorted(store.key_ids()) == sorted([admin_id, bob_id, raw_id])
+    admin.write_text("admin\n")
+    bob.write_text("bob's passphrase\n")
+    again = cli("--store", path, "key", "add", "--new-key-file", bob, key_file=admin)
+    assert again.returncode == 2 and bob_id in again.stderr and "already opens" in again.stderr, again.stderr
+    assert cli("--store", path, "key", "remove", bob_id, key_file=admin).returncode == 0
+    with pytest.raises(WrongKeyError):
+        cas.open(path, key="bob's passphrase")  # revoked: no second id kept it
+
+
 def test_keys_added_and_removed_without_rewriting_data(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, key="first") as store:
