@@ -74,9 +74,10 @@ def public_key_bytes(key) -> bytes:
         key = key.public_key()
     if isinstance(key, ed25519.Ed25519PublicKey):
         return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    data = _read(key, "public key").strip()
-    if len(data) == 32:
+    data = _read(key, "public key")
+    if len(data) == 32:  # raw, before any strip: a raw key may begin or end with a whitespace byte
         return data
+    data = data.strip()  # the text forms only: hex, PEM, OpenSSH
     if len(data) == 64:
         try:
             return bytes.fromhex(data.decode())

@@ -175,6 +175,33 @@ def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):
         cas.open(tmp_path / "s", signing_key=tmp_path / "missing.pem")
 
 
+def _raw_public(key) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _key_with_whitespace_at(index: int):
+    """A private key whose raw public key has an ASCII whitespace byte at `index` (1 in ~42)."""
+    while True:
+        key = ed25519.Ed25519PrivateKey.generate()
+        if _raw_public(key)[index:][:1] in (b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c"):
+            return key
+
+
+def test_a_raw_public_key_with_a_whitespace_byte_at_either_end_is_read_raw(tmp_path):
+    """The 32 raw bytes are taken before any strip (which only the text forms get): a key
+    beginning or ending with a whitespace byte was refused."""
+    for index in (0, -1):
+        key = _key_with_whitespace_at(index)
+        path = tmp_path / f"s{index}"
+        with cas.open(path, signing_key=key) as store:
+            store.save({"w": torch.ones(2)}, step=1)
+            assert store.verify_signatures(_raw_public(key)) == {}
+        (tmp_path / "raw.pub").write_bytes(_raw_public(key))
+        with cas.open(path) as store:
+            assert store.verify_signatures(str(tmp_path / "raw.pub")) == {}
+            assert store.verify_signatures(_raw_public(key).hex() + "\n") == {}  # text forms are still stripped
+
+
 def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):
     with cas.open(tmp_path / "s") as store:
         for step in range(5):
