@@ -98,8 +98,9 @@ def _read(key, what: str) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
     if isinstance(key, (str, os.PathLike)):
-        if os.path.isfile(key):
-            with open(key, "rb") as f:
+        path = os.path.expanduser(key)  # "~/key.pem", as key files ($CAS_KEY_FILE) are read
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
                 return f.read()
         text = isinstance(key, str) and key.lstrip().startswith(("-----", "ssh-"))  # PEM or OpenSSH text
         if not text and (not isinstance(key, str) or "/" in key or key.startswith("~")):

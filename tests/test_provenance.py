@@ -202,6 +202,24 @@ def test_a_raw_public_key_with_a_whitespace_byte_at_either_end_is_read_raw(tmp_p
             assert store.verify_signatures(_raw_public(key).hex() + "\n") == {}  # text forms are still stripped
 
 
+def test_signing_and_public_key_paths_expand_the_home_folder(tmp_path, monkeypatch):
+    """signing_key="~/k.pem" and `cas verify --signatures=~/k.pub` (no shell to expand it)
+    read the files, as $CAS_KEY_FILE does."""
+    from cas.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = ed25519.Ed25519PrivateKey.generate()
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    public_pem(key, tmp_path / "k.pub")
+    with cas.open(tmp_path / "s", signing_key="~/k.pem") as store:
+        store.save({"w": torch.ones(2)}, step=1)
+        assert store.verify_signatures("~/k.pub") == {}
+    assert main(["--store", str(tmp_path / "s"), "verify", "--signatures=~/k.pub"]) == 0
+    with pytest.raises(cas.CasError, match="~/missing.pem does not exist"):
+        cas.open(tmp_path / "s", signing_key="~/missing.pem")
+
+
 def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):
     with cas.open(tmp_path / "s") as store:
         for step in range(5):
