@@ -220,6 +220,44 @@ def test_signing_and_public_key_paths_expand_the_home_folder(tmp_path, monkeypat
         cas.open(tmp_path / "s", signing_key="~/missing.pem")
 
 
+def test_show_checks_the_signature_and_escapes_provenance(tmp_path, monkeypatch, capsys):
+    """`cas show` said "signed by" for any record carrying a signature, one changed after it was
+    signed too; and printed argv raw, so a newline in it forged such a line."""
+    from cas.cli import main
+    from cas.store import provenance
+    from cas.store.signing import problem
+
+    def show(step: int) -> str:
+        capsys.readouterr()
+        assert main(["--store", str(tmp_path / "s"), "show", str(step)]) == 0
+        return capsys.readouterr().out
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    pub = _raw_public(key).hex()
+    with cas.open(tmp_path / "s", signing_key=key) as store:
+        store.save({"w": torch.ones(2)}, step=1, metrics={"acc": 0.5})
+    assert f"signature by ed25519 key {pub}: valid" in show(1)
+    log = RecordLog(cas.open(tmp_path / "s").backend, str(tmp_path / "s"))
+    change = [c for e in log.entries() for c in e.changes if c["op"] == "add"][0]
+    forged = dict(change, metrics={"acc": 0.99})
+    assert problem(forged, _raw_public(key)) is not None
+    last = log.read(log.last_seq())
+    log.append(last.seq + 1, last.digest, "replace", [{"op": "remove", "step": 1, "id": change["id"]}, forged])
+    out = show(1)
+    assert "acc=0.99" in out and f"signature by ed25519 key {pub}: INVALID" in out and ": valid" not in out
+    assert "signed by" not in out
+    monkeypatch.setattr(sys, "argv", ["train.py", f"--tag\nsigned by ed25519 key {pub}", "\x1b[2J"])
+    provenance._static.cache_clear()  # argv is read once per process
+    try:
+        with cas.open(tmp_path / "s") as store:
+            store.save({"w": torch.ones(3)}, step=2, metrics={"bad\nsigned by x": 1.0})
+    finally:
+        provenance._static.cache_clear()
+    out = show(2)
+    assert "\x1b" not in out and not any(line.startswith(("signed by", "signature by")) for line in out.splitlines())
+    assert '"--tag\\nsigned by ed25519 key' in out and '"\\u001b[2J"' in out and '"bad\\nsigned by x"=1.0' in out
+
+
 def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):
     with cas.open(tmp_path / "s") as store:
         for step in range(5):

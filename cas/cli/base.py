@@ -55,9 +55,17 @@ def print_checkpoint(ck) -> None:
     print(f"created {ck.created:%Y-%m-%d %H:%M:%S} UTC  milestone {'yes' if ck.milestone else 'no'}  "
           f"logical {human(ck.logical_bytes)}  new on disk {human(ck.new_bytes)}")
     if ck.metrics:
-        print("metrics " + " ".join(f"{k}={v}" for k, v in ck.metrics.items()))
+        print("metrics " + " ".join(f"{shown(k)}={v}" for k, v in ck.metrics.items()))
     if ck.meta:
         print("meta " + json.dumps(ck.meta, default=str))
+
+
+def shown(value) -> str:
+    """A record's value as one line of text: as it is when every character prints, else
+    JSON-escaped (as meta is), so a newline or a terminal escape in a metric name or an argv
+    cannot forge a line of output (a "signed by" line, say) or drive the terminal."""
+    text = str(value)
+    return text if text.isprintable() else json.dumps(text)
 
 
 def usage_error(message: str) -> int:

@@ -12,7 +12,8 @@ import sys
 from cas.errors import CasError
 from cas.progress import progress_for
 
-from .base import EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, usage_error
+from .base import (EXIT_OK, EXIT_PROBLEM, command, emit_json, human, parse_step, print_checkpoint, shown,
+                   usage_error)
 from .values import show_values
 
 
@@ -114,9 +115,9 @@ def cmd_show(store, args) -> int:
         print("provenance " + _provenance_line(ck.provenance))
         if isinstance(ck.provenance.get("dcp"), dict):
             dcp = ck.provenance["dcp"]
-            print(f"dcp {dcp.get('world_size')} ranks, sharding " + json.dumps(dcp.get("sharding"), default=str))
+            print(f"dcp {shown(dcp.get('world_size'))} ranks, sharding " + json.dumps(dcp.get("sharding"), default=str))
     if ck.signature:
-        print(f"signed by ed25519 key {bytes(ck.signature.get('public_key', b'')).hex()}")
+        print(_signature_line(ck))
     against = f"not in step {prev.step}" if prev else "first checkpoint"
     print(f"\n{'path':40}  {'dtype':10}  {'shape':18}  {'bytes':>10}  {'chunks':>6}  {'chain':>5}  "
           f"new ({against})")
@@ -126,14 +127,37 @@ def cmd_show(store, args) -> int:
     return EXIT_OK
 
 
+def _signature_line(ck) -> str:
+    """Whether the signature a record carries verifies against the key it names: a record
+    changed after it was signed says INVALID, never "signed". Valid says who signed, not that
+    the key is one you trust: `cas verify --signatures KEY` checks against yours."""
+    from cas.store import signing
+    from cas.store.registry import add_change
+
+    named = ck.signature.get("public_key") if isinstance(ck.signature, dict) else None
+    named = bytes(named) if isinstance(named, (bytes, bytearray)) else b""
+    if len(named) != 32:
+        verdict = "INVALID, it names no ed25519 public key"
+    else:
+        try:
+            why = signing.problem(add_change(ck), named)
+            verdict = ("valid (`cas verify --signatures KEY` checks that it is your key)" if why is None
+                       else f"INVALID, {why}")
+        except CasError as exc:  # no `cryptography` here
+            verdict = f"not checked here ({exc})"
+    return f"signature by ed25519 key {named.hex()}: {verdict}"
+
+
 def _provenance_line(prov: dict) -> str:
     git = prov.get("git") or {}
-    parts = [f"cas {prov.get('cas')}", f"torch {prov.get('torch')}", f"python {prov.get('python')}",
-             f"numpy {prov.get('numpy')}", f"host {prov.get('host')}", f"pid {prov.get('pid')}",
-             f"world_size {prov.get('world_size')}", f"devices {','.join(map(str, prov.get('devices') or []))}"]
+    parts = [f"cas {shown(prov.get('cas'))}", f"torch {shown(prov.get('torch'))}",
+             f"python {shown(prov.get('python'))}", f"numpy {shown(prov.get('numpy'))}",
+             f"host {shown(prov.get('host'))}", f"pid {shown(prov.get('pid'))}",
+             f"world_size {shown(prov.get('world_size'))}",
+             f"devices {shown(','.join(map(str, prov.get('devices') or [])))}"]
     if git.get("commit"):
-        parts.append(f"git {git['commit'][:12]}{' (dirty)' if git.get('dirty') else ''}")
-    parts.append("argv " + " ".join(map(str, prov.get("argv") or [])))
+        parts.append(f"git {shown(str(git['commit'])[:12])}{' (dirty)' if git.get('dirty') else ''}")
+    parts.append("argv " + " ".join(shown(arg) for arg in prov.get("argv") or []))
     return "  ".join(parts)
 
 
