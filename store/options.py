@@ -20,6 +20,7 @@ from cas.errors import CasError
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
 
 from . import signing
+from .layout import check_chunk_size
 from .lazytorch import torch
 from .values import check_texts, checked_text, pack
 
@@ -84,6 +85,8 @@ class StoreOptions:
 
     def __post_init__(self) -> None:
         checked_level(self.compression_level)
+        if self.chunk_size is not None:
+            check_chunk_size(self.chunk_size)  # refused before a store is made with it (0 or False too)
         if self.key is not None:
             user_key(self.key)  # refused now, not at the open
         if self.signing_key is not None:

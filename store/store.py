@@ -68,7 +68,7 @@ class CheckpointStore(CacheKeeping, Loading):
         if not where.has_config():
             if not (create and not readonly and where.can_create()):
                 where.read_config()  # raises the precise NotAStoreError
-            self.created = where.create(chunk_size or L.DEFAULT_CHUNK_SIZE, opts.key)
+            self.created = where.create(L.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size, opts.key)
         self.config = where.read_config()
         where.unlock(self.config, opts.key)  # an encrypted store: its keys, and a backend that seals every blob
         if chunk_size is not None and chunk_size != self.config.chunk_size:

@@ -119,6 +119,14 @@ def test_chunk_size_is_fixed_at_creation(store_path):
         cas.open(store_path.parent / "other", chunk_size=3)
 
 
+@pytest.mark.parametrize("bad", [0, False, True, 1.5, -1])
+def test_a_bad_chunk_size_creates_nothing(tmp_path, bad):
+    path = tmp_path / "new"
+    with pytest.raises(cas.CasError, match="chunk_size must be"):
+        cas.open(path, chunk_size=bad)
+    assert not path.exists()
+
+
 def test_closed_store_refuses_work(store_path):
     s = cas.open(store_path)
     s.close()
