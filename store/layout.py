@@ -113,17 +113,30 @@ def parse_config(data: bytes, root: str, where: str) -> Config:
         fmt = raw["format"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         raise NotAStoreError(f"the cas config at {where} is damaged") from None
+    _check_field(raw, "format", (int,), where)  # True or 2.0 is no format: it must not be read (or upgraded)
     if fmt not in READABLE_FORMATS:
         raise FormatVersionError(f"the store at {root} has format version {fmt!r}; this cas "
                                  f"reads versions {READABLE_FORMATS} (upgrade cas to open it)")
+    for name, types in (("chunk_size", (int,)), ("created", (int, float)), ("store_id", (str,))):
+        _check_field(raw, name, types, where)
     try:
-        config = Config(fmt, int(raw["chunk_size"]), float(raw["created"]), str(raw["store_id"]),
+        config = Config(fmt, raw["chunk_size"], float(raw["created"]), raw["store_id"],
                         check_fields(raw["encryption"], root) if fmt == ENCRYPTED_FORMAT else None)
     except (KeyError, TypeError, ValueError):
         raise NotAStoreError(f"the cas config at {where} is damaged") from None
     if not MIN_CHUNK_SIZE <= config.chunk_size <= MAX_CHUNK_SIZE:
         raise NotAStoreError(f"the cas config at {where} has an implausible chunk size {config.chunk_size}")
     return config
+
+
+def _check_field(raw: dict, name: str, types: tuple, where: str) -> None:
+    """Refuse a config field of the wrong type (exactly: a bool is not an int), naming it; a
+    lenient read would take a damaged config for a store's, and might rewrite it."""
+    if name not in raw:
+        raise NotAStoreError(f"the cas config at {where} is damaged: it has no {name!r}")
+    if type(raw[name]) not in types:
+        raise NotAStoreError(f"the cas config at {where} is damaged: its {name!r} is {raw[name]!r}, "
+                             f"not {' or '.join(t.__name__ for t in types)}")
 
 
 def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float | None = None,

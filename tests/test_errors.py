@@ -54,6 +54,21 @@ def test_store_of_a_newer_format_is_refused(store_path):
         cas.open(store_path)
 
 
+@pytest.mark.parametrize("field, value", [("format", True), ("format", 2.0), ("format", "2"),
+                                          ("chunk_size", float(1 << 20)), ("chunk_size", True),
+                                          ("created", "yesterday"), ("created", True), ("store_id", 12345)])
+def test_config_fields_of_the_wrong_type_are_refused_and_unchanged(store_path, field, value):
+    cas.open(store_path).close()
+    cfg = store_path / "config"
+    body = msgpack.unpackb(cfg.read_bytes()[len(CONFIG_MAGIC):])
+    body[field] = value  # format True == 1: read so, the store was "upgraded" (its config rewritten)
+    cfg.write_bytes(CONFIG_MAGIC + msgpack.packb(body))
+    before = cfg.read_bytes()
+    with pytest.raises(cas.NotAStoreError, match=f"damaged: its '{field}' is"):
+        cas.open(store_path)
+    assert cfg.read_bytes() == before
+
+
 def test_damaged_config_is_not_a_store(store_path):
     cas.open(store_path).close()
     (store_path / "config").write_bytes(CONFIG_MAGIC + b"\xc1garbage")
