@@ -16,6 +16,7 @@ import numpy as np
 from cas.errors import CasError, UnresumableStateError
 
 from .lazytorch import torch
+from .values import MAX_DEPTH
 
 
 def is_stateful(value) -> bool:
@@ -23,24 +24,31 @@ def is_stateful(value) -> bool:
             and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
 
 
-def resolve_stateful(value, where: tuple = ()):
+def resolve_stateful(value, where: tuple = (), inside: frozenset = frozenset()):
     """The state with every stateful object replaced by its state_dict(), at any depth. A value
     that refuses to be saved (UnresumableStateError) is named by its path in the state (`where`:
-    the keys down to `value`, joined only then)."""
+    the keys down to `value`, joined only then). `inside`: the ids of the containers above
+    `value`, so that one holding itself is a TypeError naming its path, not a RecursionError."""
     if is_stateful(value):
         try:
             return value.state_dict()
         except UnresumableStateError as exc:
             path = ".".join(map(str, where))
             raise UnresumableStateError(f"state entry {path!r}: {exc}" if path else str(exc)) from None
+    if type(value) not in (dict, OrderedDict, list, tuple):
+        return value
+    if id(value) in inside:
+        raise TypeError(f"cannot store {'.'.join(map(str, where))!r}: this {type(value).__name__} contains "
+                        "itself (a reference cycle), which a checkpoint cannot hold")
+    if len(where) > MAX_DEPTH:
+        return value  # deeper than a checkpoint holds: plan() refuses it, naming the path
+    inside = inside | {id(value)}
     if type(value) in (dict, OrderedDict):
-        out = type(value)((k, resolve_stateful(v, (*where, k))) for k, v in value.items())
+        out = type(value)((k, resolve_stateful(v, (*where, k), inside)) for k, v in value.items())
         if hasattr(value, "_metadata"):  # a module state dict's versions
             out._metadata = value._metadata
         return out
-    if type(value) in (list, tuple):
-        return type(value)(resolve_stateful(v, (*where, i)) for i, v in enumerate(value))
-    return value
+    return type(value)(resolve_stateful(v, (*where, i), inside) for i, v in enumerate(value))
 
 
 class RNGState:

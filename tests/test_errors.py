@@ -118,6 +118,38 @@ def test_unsupported_leaf_raises_type_error_naming_its_path_and_commits_nothing(
         assert store.index.leases(txn) == {}
 
 
+def _cyclic_list() -> list:
+    loop = [torch.ones(2)]
+    loop.append(loop)
+    return loop
+
+
+def _cyclic_dict() -> dict:
+    loop = {"w": torch.ones(2)}
+    loop["self"] = loop
+    return loop
+
+
+@pytest.mark.parametrize("make,path", [(_cyclic_list, "opt.state.1"), (_cyclic_dict, "opt.state.self")])
+def test_a_state_that_contains_itself_is_a_type_error_naming_its_path(store, make, path):
+    with pytest.raises(TypeError, match=f"'{path}'.*contains itself"):
+        store.save({"opt": {"state": make()}}, step=1)
+    with pytest.raises(TypeError, match=f"'{path}'.*contains itself"):
+        store.save_async({"opt": {"state": make()}}, step=2).result()
+    shared = [torch.ones(2)]
+    store.save({"a": shared, "b": [shared, shared]}, step=3)  # shared, not cyclic: saved
+    assert [c.step for c in store.checkpoints()] == [3]
+
+
+def test_a_very_deep_state_is_refused_as_too_deep_not_a_recursion_error(store):
+    value = torch.ones(1)
+    for _ in range(5000):
+        value = [value]
+    with pytest.raises(TypeError, match="deeper than the"):
+        store.save({"x": value}, step=1)
+    assert store.checkpoints() == []
+
+
 def test_bad_metrics_and_meta(store):
     with pytest.raises(TypeError, match="metric 'loss'"):
         store.save({}, step=1, metrics={"loss": "low"})
