@@ -38,6 +38,8 @@ class Loading:
         committed before it that reads whole instead, with a RuntimeWarning naming the steps
         skipped and why; a dict state comes back as a RestoredState, whose `checkpoint` and
         `skipped` say the same. No damaged byte is ever returned."""
+        target = None if device is None else _target_device(device)
+
         def read(ck: Checkpoint):
             return self.reader(ck.step).materialize(keys)
 
@@ -48,8 +50,7 @@ class Loading:
             reader = self.reader(step)
             faults.point("load.resolved")
             state = self._unless_removed(reader.checkpoint, lambda: reader.materialize(keys))
-        if device is not None:
-            target = torch.device(device)
+        if target is not None:
             moved = walk_value(state, lambda t, _: t.to(target), match=torch.Tensor)
             state = RestoredState(moved, state.checkpoint, state.skipped) if isinstance(state, RestoredState) else moved
         return state
@@ -121,3 +122,16 @@ class Loading:
 def _restored(entries, checkpoint: Checkpoint, skipped: list) -> RestoredState:
     """restore()'s result; a state whose top is not a dict (restored with no targets) as it is."""
     return RestoredState(entries, checkpoint, skipped) if isinstance(entries, dict) else entries
+
+
+def _target_device(device) -> torch.device:
+    """load()'s `device`, checked before any byte is read: a typo, or a device this torch has no
+    backend or GPU for, is refused naming it (not torch's own error after the whole read)."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a str, an int or a torch.device, got {type(device).__name__} {device!r}")
+    try:
+        target = torch.device(device)
+        torch.empty(0, device=target)  # "cuda" on a CPU-only torch, "cuda:7" on a host with one GPU
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise ValueError(f"cannot load onto device {device!r}: {exc}") from None
+    return target

@@ -157,6 +157,9 @@ class CheckpointReader:
             if found is None:
                 raise CheckpointNotFoundError(f"checkpoint step {self.step} has no tensor {leaf!r}")
             leaf = found
+        elif not isinstance(leaf, Leaf) or not leaf.is_tensor:
+            raise TypeError(f"read_tensor takes a tensor's path (a str) or a tensor Leaf from tensor_leaves(), "
+                            f"got {type(leaf).__name__} {leaf!r:.80}")
         jobs: list = []
         out = self._materialized(leaf.ref, leaf.path, jobs, {})
         self.decode(jobs)

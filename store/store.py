@@ -10,7 +10,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 
 from cas import crypt, faults
@@ -456,7 +456,7 @@ class CheckpointStore(CacheKeeping, Loading):
     def delete(self, steps) -> list[Checkpoint]:
         """Delete checkpoints (a step, or several in one transaction) from the registry; pinned
         ones are refused. Their objects stay until gc finds them unreferenced."""
-        steps = [steps] if isinstance(steps, int) else list(steps)
+        steps = _steps_of(steps)
         self._check_writable("delete checkpoints")
         with self.index.write() as txn:
             gone = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
@@ -571,3 +571,11 @@ def _checked_process(pid: int, path: str) -> None:
                        "in the child (cas.open(path))")
 
 
+def _steps_of(steps) -> list:
+    """delete()'s steps: one int or an iterable of them (a str, a float or None is neither, and
+    a str's characters are no steps)."""
+    if type(steps) is int:
+        return [steps]
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+        raise TypeError(f"steps must be a step (an int) or a list of steps, got {type(steps).__name__} {steps!r}")
+    return list(steps)

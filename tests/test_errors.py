@@ -174,6 +174,31 @@ def test_a_bad_chunk_size_creates_nothing(tmp_path, bad):
     assert not path.exists()
 
 
+@pytest.mark.parametrize("steps", [1.0, None, "1", True])
+def test_delete_of_what_is_not_a_step_is_a_type_error(store, steps):
+    store.save({"x": torch.ones(1)}, step=1)
+    with pytest.raises(TypeError, match="a step"):
+        store.delete(steps)
+    assert [c.step for c in store.checkpoints()] == [1]
+
+
+@pytest.mark.parametrize("device,error,what", [
+    ("bogus", ValueError, "cannot load onto device 'bogus'"),
+    (1.5, TypeError, "device must be"),
+    pytest.param("cuda", ValueError, "cannot load onto device 'cuda'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")),
+    pytest.param("cuda:63", ValueError, "cannot load onto device 'cuda:63'",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA here")),
+])
+def test_load_onto_a_device_torch_cannot_use_is_refused_before_reading(store, device, error, what):
+    store.save({"x": torch.ones(1)}, step=1)
+    with pytest.raises(error, match=what):
+        store.load(device=device)
+    with pytest.raises(error, match=what):  # before the step is looked up, so before any read
+        store.load(7, device=device)
+    assert store.load(device="cpu")["x"].device.type == "cpu"
+
+
 def test_closed_store_refuses_work(store_path):
     s = cas.open(store_path)
     s.close()

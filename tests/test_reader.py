@@ -70,6 +70,17 @@ def test_reader_lists_entries_and_reads_one_tensor(tmp_path):
             reader.select("nope")
 
 
+def test_read_tensor_of_a_wrong_type_is_a_type_error(tmp_path):
+    with cas.open(tmp_path / "s") as store:
+        store.save({"m": {"w": torch.ones(2)}, "epoch": 7}, step=1)
+        reader = store.reader(1)
+        epoch = next(leaf for leaf in reader.leaves() if leaf.path == "epoch")
+        for wrong in (5, None, epoch):  # epoch: a Leaf, but of a plain value
+            with pytest.raises(TypeError, match="read_tensor takes a tensor's path"):
+                reader.read_tensor(wrong)
+        assert torch.equal(reader.read_tensor(reader.tensor_leaves()["m.w"]), torch.ones(2))
+
+
 def test_a_reader_keeps_reading_the_checkpoint_it_resolved(tmp_path):
     with cas.open(tmp_path / "s", chunk_size=64 << 10) as store:
         store.save({"w": torch.zeros(4)}, step=1)
