@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +130,24 @@ def test_cat_prints_a_value_a_tensor_summary_or_what_is_under_a_key(trained, cli
     assert missing.returncode == 2 and missing.stdout == ""
     assert "no key 'schedular'" in missing.stderr and "'scheduler'" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_commit_node_in_the_state_is_reported_as_damage_not_a_traceback(tmp_path, cli):
+    from cas.store.commit import SaveRecord, commit_save
+    from cas.store.values import Ref, pack
+
+    path = tmp_path / "store"
+    with cas.open(path) as store:
+        first = store.save({"w": torch.ones(2)}, step=1)
+        value = pack({"k": "value", "v": {"x": Ref(bytes.fromhex(first.id))}})  # names step 1's commit node
+        key = store.objects.namer.key(value)
+        with store.objects.session("craft") as session:
+            commit_save(store, session, SaveRecord(2, time.time(), False, {}, {}, 0), Ref(key), {key: value},
+                        store._pool, "craft")
+    for args in (("show", 2, "--values"), ("cat", 2, "x")):
+        code, out, err = cli(*args, store=path)
+        assert code == 2 and "a commit node appears inside a state tree" in err and first.id in err, err
+        assert len(err.strip().splitlines()) == 1
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cas.errors import CheckpointNotFoundError
+from cas.errors import CheckpointNotFoundError, CorruptionError
 from cas.store.tree import path_join
 from cas.store.values import Ref
 
@@ -43,8 +43,11 @@ def _walk(reader, value, key: str, out: list[Row]) -> None:
         node = reader.node(value, path=key)
         if node["k"] == "tensor":
             out.append(Row(key, tensor=node))
-        else:
+        elif node["k"] == "value":
             _walk(reader, node["v"], key, out)
+        else:  # as the reader's own walk says it: damage, not a KeyError
+            raise CorruptionError("a commit node appears inside a state tree", key=value.key.hex(),
+                                  step=reader.step, path=key)
     elif isinstance(value, dict) and value:
         for k, v in value.items():
             _walk(reader, v, path_join(key, k), out)
