@@ -98,7 +98,8 @@ def read_config(layout: Layout) -> Config:
         raise NotAStoreError(f"{layout.root} is not a cas store (it has no {CONFIG_NAME} file); "
                              "open an empty or missing folder to create one") from None
     except NotADirectoryError:
-        raise NotAStoreError(f"{layout.root} is not a cas store: it is a file, not a folder") from None
+        what = "it is a file" if os.path.lexists(layout.root) else "a part of its path is a file"
+        raise NotAStoreError(f"{layout.root} is not a cas store: {what}, not a folder") from None
     except (ValueError, OSError) as exc:  # a directory named config, no permission, an I/O error
         raise NotAStoreError(f"{layout.root} is not a readable cas store: {exc}") from None
     return parse_config(data, layout.root, layout.config)
@@ -157,6 +158,14 @@ def can_create(root: str) -> bool:
         return True
     if not os.path.isdir(root) or os.path.islink(root):
         return False
+    try:
+        return _only_ours(root)
+    except OSError:  # a folder we may not list: not ours to touch (reading its config then says why)
+        return False
+
+
+def _only_ours(root: str) -> bool:
+    """Whether folder `root` holds only what a creation cut short leaves (see can_create)."""
     entries = set(os.listdir(root))
     if not entries <= {*LAYOUT_FOLDERS, KEYS_FOLDER, CREATE_LOCK}:
         return False
@@ -171,7 +180,10 @@ def can_create(root: str) -> bool:
 def creation_lock(root: str) -> Iterator[None]:
     """Held while a store is created at `root`: processes that open a new path at once (every
     rank of a job, say) create it once, and the others then open it."""
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:  # a file where a folder of the path should be, a parent we may not write
+        raise NotAStoreError(f"cannot create a store at {root}: {exc}") from None
     try:
         fd = os.open(os.path.join(root, CREATE_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:  # a folder or a symlink in its place, no permission

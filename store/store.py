@@ -15,7 +15,8 @@ from typing import Callable, Iterable
 
 from cas import crypt, faults
 from cas.codecs import CodecPolicy
-from cas.errors import CasError, CheckpointNotFoundError, ReadOnlyStoreError, StoreClosedError, StoreWriteError
+from cas.errors import (CasError, CheckpointNotFoundError, NotAStoreError, ReadOnlyStoreError, StoreClosedError,
+                        StoreWriteError)
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
@@ -58,6 +59,16 @@ class CheckpointStore(CacheKeeping, Loading):
 
     def __init__(self, path: str | os.PathLike, *, options: StoreOptions | None = None, **option_values) -> None:
         """Open (or create) the store at `path`; `options` and/or their keywords, see StoreOptions."""
+        self.location = None
+        try:
+            self._open(path, options, option_values)
+        except OSError as exc:  # a folder of a local store we may not read (log/ at mode 000, say)
+            if self.location is not None and not self.location.local:
+                raise
+            raise NotAStoreError(f"cannot open the store at {getattr(self, 'path', None) or os.fspath(path)}: "
+                                 f"{exc}") from None
+
+    def _open(self, path: str | os.PathLike, options: StoreOptions | None, option_values: dict) -> None:
         self.options = opts = StoreOptions.of(options, **option_values)
         create, readonly, chunk_size = opts.create, opts.readonly, opts.chunk_size
         self.location = where = locate(path, cache_dir=opts.cache_dir)

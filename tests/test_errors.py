@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -204,6 +206,61 @@ def test_closed_store_refuses_work(store_path):
     s.close()
     with pytest.raises(cas.StoreClosedError):
         s.checkpoints()
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_path_below_a_regular_file_is_refused_naming_it(tmp_path, readonly):
+    (tmp_path / "afile").write_bytes(b"hello")
+    path = tmp_path / "afile" / "sub" / "store"
+    what = "a part of its path is a file, not a folder" if readonly else "cannot create a store at .*Not a directory"
+    with pytest.raises(cas.NotAStoreError, match=what):
+        cas.open(path, readonly=readonly)
+    assert (tmp_path / "afile").read_bytes() == b"hello"
+
+
+def _as_unprivileged(*argv) -> subprocess.CompletedProcess:
+    """Run python with `argv` where file modes apply: as root, without the capabilities that
+    override them (a process of another user could not import this checkout)."""
+    prefix = []
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    return subprocess.run([*prefix, sys.executable, *argv], capture_output=True, text=True, timeout=120)
+
+
+_OPEN = """
+import sys, cas
+try:
+    cas.open(sys.argv[1], readonly=sys.argv[2] == "1").close()
+except cas.CasError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"), reason="root without setpriv ignores modes")
+def test_folders_without_permission_are_refused_by_name(tmp_path):
+    for name in ("closed", "closed_log"):
+        with cas.open(tmp_path / name) as store:
+            store.save({"w": torch.ones(2)}, step=1)
+    (tmp_path / "readonly_parent").mkdir()
+    modes = {"closed": 0, "closed_log/log": 0, "readonly_parent": 0o555}
+    try:
+        for where, mode in modes.items():
+            os.chmod(tmp_path / where, mode)
+        for name, readonly, said in [("closed", "0", "closed is not a readable cas store: .*Permission denied"),
+                                     ("closed_log", "0", "cannot open the store at .*Permission denied: .*log"),
+                                     ("closed_log", "1", "cannot open the store at .*Permission denied: .*log"),
+                                     ("readonly_parent/new", "0", "cannot create a store at .*Permission denied")]:
+            out = _as_unprivileged("-c", _OPEN, str(tmp_path / name), readonly)
+            assert out.returncode == 0 and out.stdout.startswith("NotAStoreError"), out.stdout + out.stderr
+            assert re.search(said, out.stdout), out.stdout
+        cli = _as_unprivileged("-m", "cas.cli", "--store", str(tmp_path / "closed_log"), "ls")
+        assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+        assert str(tmp_path / "closed_log") in cli.stderr and "Traceback" not in cli.stderr
+        assert not (tmp_path / "readonly_parent" / "new").exists()
+    finally:
+        for where in modes:
+            os.chmod(tmp_path / where, 0o755)
 
 
 def test_a_regular_file_is_not_a_store(tmp_path):
