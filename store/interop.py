@@ -195,6 +195,7 @@ def export_torch(store, step: int, path: str | os.PathLike, *, keys=None, relati
     if relative:
         state = state[keys[0]]
     tensors = list(_tensors_in(state))
+    _check_weights_only_ints(state, "")
     _write_atomically(os.fspath(path), lambda tmp: torch.save(state, tmp))
     if progress:
         progress("export", 1, 1)
@@ -218,6 +219,27 @@ def _selected(state: dict, keys, step: int) -> dict:
         raise CheckpointNotFoundError(f"checkpoint step {step} has no top-level entries {missing}; "
                                       f"it has {list(state)}")
     return {k: state[k] for k in keys}
+
+
+# pickle writes an int of more than 255 bytes with its LONG4 opcode, which torch.load's weights-only
+# unpickler does not read: such a file would load only with weights_only=False.
+WEIGHTS_ONLY_INT_BYTES = 255
+
+
+def _check_weights_only_ints(value, path: str) -> None:
+    """Refuse, before anything is written, a state holding an int torch.load(weights_only=True)
+    cannot read back (a checkpoint may hold ints of up to 32767 bits)."""
+    if type(value) is int and value.bit_length() > 8 * WEIGHTS_ONLY_INT_BYTES - 9 \
+            and len(pickle.encode_long(value)) > WEIGHTS_ONLY_INT_BYTES:
+        raise CasError(f"cannot export {path or 'the state'!r} to a torch.save file: its int of {value.bit_length()} "
+                       f"bits takes more than the {WEIGHTS_ONLY_INT_BYTES} bytes torch.load(weights_only=True) "
+                       "reads; export the tensors alone as safetensors, or leave that key out (keys=)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_weights_only_ints(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_weights_only_ints(v, f"{path}.{i}" if path else str(i))
 
 
 def _tensors_in(value) -> Iterable[torch.Tensor]:

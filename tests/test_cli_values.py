@@ -233,3 +233,30 @@ def test_gc_keep_last_zero_is_refused_saying_what_to_use(tmp_path, cli, cli_json
     assert [ck["step"] for ck in cli_json("ls", store=path)] == [1, 2, 3]
     assert cli("gc", "--keep-last", "1", store=path)[0] == 0
     assert [ck["step"] for ck in cli_json("ls", store=path)] == [3]
+
+
+def test_ints_of_up_to_32767_bits_print_and_an_export_that_cannot_hold_them_writes_nothing(tmp_path, cli):
+    """A checkpoint may hold ints of up to 32767 bits; `cas show --values` and `cas cat` failed
+    on them with a traceback (Python's 4,300-digit limit on int-to-str), and `cas export` to a
+    torch.save file wrote a file torch.load(weights_only=True) cannot read, then failed reading it
+    back, leaving it behind. Export now refuses before it writes, naming the key."""
+    huge = -(2**32766)
+    with cas.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(2), "n": huge, "fits": 2**2039 - 1}, step=1)
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # (this test's own str() of it)
+    try:
+        digits = str(huge)
+    finally:
+        sys.set_int_max_str_digits(limit)
+    for args in (("cat", 1, "n"), ("cat", 1, "n", "--json"), ("show", 1, "--values"), ("show", 1, "--values", "--json")):
+        code, out, err = cli(*args, store=tmp_path / "s")
+        assert code == 0 and "Traceback" not in err, (args, err)
+        assert args[0] == "show" or digits in out
+    assert sys.get_int_max_str_digits() == limit  # the CLI put the process's limit back
+    out_file = tmp_path / "x.pt"
+    code, _, err = cli("export", 1, out_file, store=tmp_path / "s")
+    assert code == 2 and "'n'" in err and "weights_only" in err and not out_file.exists()
+    code, _, err = cli("export", 1, out_file, "--keys", "w", "fits", store=tmp_path / "s")
+    assert code == 0, err
+    assert torch.load(out_file, weights_only=True)["fits"] == 2**2039 - 1

@@ -34,7 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A checkpoint's ints may have up to 32767 bits (store/values.py), about 9,900 digits: more than
+# Python's default limit on int-to-str conversions (4,300), which made `cas show --values` and
+# `cas cat` fail on them with a traceback. The commands print with room for them.
+INT_DIGITS = 10_000
+
+
 def main(argv: list[str] | None = None) -> int:
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0 if limit == 0 else max(limit, INT_DIGITS))
+    try:
+        return _main(argv)
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     path = args.store or os.environ.get("CAS_STORE") or os.getcwd()
