@@ -100,10 +100,12 @@ class Location:
 
     def can_create(self) -> bool:
         """Whether a store may be made here: a missing or empty folder (see layout.can_create),
-        or a prefix that holds nothing (a bucket prefix with other data is not ours)."""
+        or a prefix that holds nothing but key blobs (a creation cut short after its first key
+        blob, before its config: the blobs wrap a master key no config names, and stay
+        unopenable); a bucket prefix with other data is not ours."""
         if self.local:
             return L.can_create(self.name)
-        return not self.backend.list("")
+        return all(name.startswith(crypt.KEYS_PREFIX) for name in self.backend.list(""))
 
     def create(self, chunk_size: int, key=None, *, master: bytes | None = None) -> bool:
         """Make the store (encrypted under `key` when given, with a new random master key, or

@@ -715,6 +715,22 @@ def test_verify_reads_what_is_on_disk_not_what_this_process_decrypted_before(tmp
         assert not store.verify().ok
 
 
+def test_a_bucket_store_whose_creation_stopped_after_its_key_blob_is_created_at_the_next_open(s3_url, tmp_path):
+    """A kill between the first key blob's PUT and the config's left a prefix holding one key
+    blob: every later open was "not a cas store: open an empty prefix to create one", and the
+    prefix could be neither opened nor created."""
+    from cas.s3 import S3Backend
+
+    bucket = S3Backend.from_url(s3_url)
+    key_id = crypt.new_key_id()
+    bucket.put_if_absent(crypt.KEYS_PREFIX + key_id,
+                         [crypt.key_blob("0123456789abcdef", key_id, os.urandom(32), crypt.user_key("k"))])
+    with cas.open(s3_url, key="k", cache_dir=str(tmp_path / "c")) as store:
+        store.save({"w": _w(1)}, step=1)
+    with cas.open(s3_url, key="k", cache_dir=str(tmp_path / "other")) as store:
+        assert torch.equal(store.load(1)["w"], _w(1))
+
+
 def test_lightning_saves_into_an_encrypted_store_and_a_marker_loads_with_the_key_file(tmp_path, monkeypatch):
     pytest.importorskip("lightning")
     from test_lightning import Tiny, fitted
