@@ -110,7 +110,9 @@ def decode_entry(seq: int, data: bytes) -> Entry:
             _check_change(change)
     except CasError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
+    except KeyError as exc:  # (its str is only the key's repr)
+        raise CorruptionError(f"record log entry {name} is damaged: it has no field {exc}") from None
+    except (ValueError, TypeError, AttributeError, msgpack.UnpackException) as exc:
         raise CorruptionError(f"record log entry {name} is damaged: {exc}") from None
     if entry.seq != seq:
         raise CorruptionError(f"record log entry {name} says it is entry {entry.seq}: it was copied or renamed")

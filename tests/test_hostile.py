@@ -286,3 +286,11 @@ def test_a_cycle_of_bases_in_the_index_makes_the_next_save_write_whole(tmp_path)
                 store.index.put_record(txn, base, dataclasses.replace(store.objects.record(base), base=key, depth=2))
         store.save({"w": w + 2e-4}, step=3)
         assert torch.equal(store.load(3)["w"], w + 2e-4)
+
+
+def test_a_log_entry_missing_a_field_names_the_field():
+    """A damaged entry without one of its fields said only "is damaged: 'seq'" (a KeyError's str)."""
+    from cas.store.records import ENTRY_MAGIC, decode_entry
+
+    with pytest.raises(CorruptionError, match="has no field 'prev'"):
+        decode_entry(1, ENTRY_MAGIC + msgpack.packb({"format": 1, "seq": 1}))

@@ -256,6 +256,10 @@ def test_show_checks_the_signature_and_escapes_provenance(tmp_path, monkeypatch,
     out = show(2)
     assert "\x1b" not in out and not any(line.startswith(("signed by", "signature by")) for line in out.splitlines())
     assert '"--tag\\nsigned by ed25519 key' in out and '"\\u001b[2J"' in out and '"bad\\nsigned by x"=1.0' in out
+    capsys.readouterr()
+    assert main(["--store", str(tmp_path / "s"), "ls"]) == 0
+    listed = capsys.readouterr().out  # `cas ls` prints metric names escaped too
+    assert '"bad\\nsigned by x"=1' in listed and not any(line.startswith("signed by") for line in listed.splitlines())
 
 
 def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp_path):

@@ -75,7 +75,8 @@ def cmd_ls(store, args) -> int:
           + ("mirrored  " if mirrored else "") + "metrics")
     for ck in cks:
         flags = ("M" if ck.milestone else "-") + ("P" if ck.pinned else "-")
-        metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in ck.metrics.items())
+        metrics = " ".join(f"{shown(k)}={v:g}" if isinstance(v, float) else f"{shown(k)}={shown(v)}"
+                           for k, v in ck.metrics.items())
         only = human(exclusive[ck.step]) if ck.step in exclusive else "?"
         column = f"{'yes' if ck.mirrored else 'no':8}  " if mirrored else ""
         print(f"{ck.step:>10}  {ck.created:%Y-%m-%d %H:%M:%S}  {flags:5}  {human(ck.logical_bytes):>10}  "
