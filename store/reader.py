@@ -192,27 +192,15 @@ class CheckpointReader:
         if node["k"] != "tensor":
             raise CorruptionError("a commit node appears inside a state tree", key=ref.key.hex(), step=self.step,
                                   path=path)
-        spans = list(chunk_spans(node["nbytes"], node["chunk"], node["skew"]))
-        self._check_chunk_sizes(node["chunks"], spans, ref, path)  # before memory is taken for them
         try:
             out, view = tensors.output_for(node, into.get(path))
         except (RuntimeError, MemoryError, OverflowError, ValueError) as exc:  # torch's or numpy's refusal
             raise CasError(f"tensor {path!r} of checkpoint step {self.step} ({node['dtype']}, shape "
                            f"{node['shape']}, {node['nbytes']} bytes) cannot be allocated: {exc}") from None
         guarded = out is into.get(path)  # the caller's own tensor: only verified bytes may land in it
-        for key, (start, end) in zip(node["chunks"], spans):
+        for key, (start, end) in zip(node["chunks"], chunk_spans(node["nbytes"], node["chunk"], node["skew"])):
             jobs.append((path, key, view[start:end], guarded))
         return out
-
-    def _check_chunk_sizes(self, chunks: list, spans: list, ref: Ref, path: str) -> None:
-        """Each chunk's raw size, as the index records it, must be the span the node gives it:
-        a node that does not fit its chunks (damaged, or crafted to claim terabytes) is a
-        CorruptionError here rather than an allocation of its claimed size."""
-        for key, (start, end) in zip(chunks, spans):
-            rec = self._objects.record(key)
-            if rec is not None and rec.raw_size != end - start:
-                raise CorruptionError(f"tensor node places {end - start} bytes in chunk {key.hex()}, which holds "
-                                      f"{rec.raw_size}", key=ref.key.hex(), step=self.step, path=path)
 
     def decode(self, jobs: list) -> None:
         """Decode (tensor path, chunk key, output slice, guarded) jobs in the read pool. A
