@@ -32,7 +32,6 @@ from cas.objectstore import MAX_CHAIN_DECODE
 
 from . import layout as L
 from . import snapshots
-from .records import entry_name
 from .registry import ORDER_TABLE, TABLE, TABLES, Checkpoint, add_change
 from .tree import parse_node
 
@@ -49,6 +48,7 @@ class RebuildReport:
     moved_aside: str | None = None  # where a damaged index was put
     reason: str | None = None  # why the cache was rebuilt
     snapshot: int | None = None  # the log position of the snapshot it started from, if any
+    log_healed: list[int] = field(default_factory=list)  # record log entries repair wrote back as written
     seconds: float = 0.0
 
 
@@ -103,12 +103,11 @@ def why_stale(store, txn) -> str | None:
         return "the index belongs to another store"
     seq, digest = registry.head(txn)
     if seq:
-        backend = store.records.backend
         try:
-            data = backend.get(entry_name(seq))
+            data = store.records.raw(seq)
         except CasError:
             return f"the index has record log entry {seq}, which the store does not (an index of a later state?)"
-        if hash_bytes(data) != digest:
+        if hash_bytes(data) != digest and store.records.mend(seq, data, digest) is None:
             return f"record log entry {seq} is not the one the index folded in"
     if store.records.exists(seq + 1):
         return f"{BEHIND}{seq} that the index lacks"

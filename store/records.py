@@ -23,6 +23,7 @@ from typing import Iterator
 import msgpack
 
 from cas.backend import Backend
+from cas.bitrot import undo_one_error
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import KEY_SIZE, hash_bytes
 
@@ -143,19 +144,63 @@ def _check_change(change: dict) -> None:
 
 
 class RecordLog:
-    """The log entries of one store, through its backend."""
+    """The log entries of one store, through its backend. An entry whose bytes were damaged
+    after it was written (one bit or byte: cas/bitrot.py) is read as it was written when a
+    digest recorded elsewhere proves the original (its successor's `prev`, the index's head):
+    `mended` keeps those, `heal()` writes them back (`cas repair`)."""
 
     def __init__(self, backend: Backend, where: str) -> None:
         self.backend = backend
         self.where = where  # the store, for messages
+        self.mended: dict[int, bytes] = {}  # seq -> its original bytes, proven by a digest held elsewhere
 
-    def read(self, seq: int) -> Entry:
+    def raw(self, seq: int) -> bytes:
+        """Entry `seq`'s bytes (as written, where they were mended); CorruptionError if missing."""
+        if seq in self.mended:
+            return self.mended[seq]
         try:
-            data = self.backend.get(entry_name(seq))
+            return bytes(self.backend.get(entry_name(seq)))
         except MissingObjectError:
             raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} is "
                                   "missing") from None
-        return decode_entry(seq, data)
+
+    def read(self, seq: int) -> Entry:
+        return decode_entry(seq, self.raw(seq))
+
+    def mend(self, seq: int, data: bytes, digest: bytes) -> Entry | None:
+        """Entry `seq` as written, when `data` (its bytes now) differs from bytes that hash to
+        `digest` in one bit or byte and those decode; None otherwise."""
+        original = undo_one_error(data, digest)
+        if original is None or original == data:
+            return None
+        try:
+            entry = decode_entry(seq, original)
+        except CorruptionError:
+            return None
+        self.mended[seq] = original
+        return entry
+
+    def still_damaged(self) -> list[int]:
+        """The mended entries whose stored bytes are still the damaged ones (not yet healed)."""
+        out = []
+        for seq, original in sorted(self.mended.items()):
+            try:
+                if bytes(self.backend.get(entry_name(seq))) != original:
+                    out.append(seq)
+            except MissingObjectError:
+                continue
+        return out
+
+    def heal(self) -> list[int]:
+        """Write the mended entries back as they were written, the damaged bytes first kept in
+        quarantine/log-<seq>-<their hash>; the seqs healed."""
+        healed = []
+        for seq in self.still_damaged():
+            damaged = bytes(self.backend.get(entry_name(seq)))
+            self.backend.put_if_absent(f"quarantine/log-{seq:016x}-{hash_bytes(damaged).hex()[:16]}", [damaged])
+            self.backend.replace(self.backend.stage(entry_name(seq), [self.mended[seq]], fsync=True))
+            healed.append(seq)
+        return healed
 
     def exists(self, seq: int) -> bool:
         return self.backend.stat(entry_name(seq)) is not None
@@ -167,25 +212,65 @@ class RecordLog:
 
     def entries(self, after: int = 0, prev: bytes | None = None) -> Iterator[Entry]:
         """Entries after `after` in order, each checked to follow the one before (`prev`: the
-        digest of entry `after`). A gap or a broken chain is a CorruptionError naming it."""
+        digest of entry `after`). An entry is given out once the next one confirms it, so that
+        one whose bytes changed but still parse is mended (or reported) before anyone folds it.
+        A gap, a broken chain, or an entry damaged beyond mending is a CorruptionError naming it."""
         last = self.last_seq()
-        for entry in self._read_ahead(after + 1, last):
-            seq = entry.seq
-            if entry.prev != prev:  # entry 1 follows nothing (prev None)
-                raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} does not "
-                                      "follow the entry before it (an entry was lost, replaced or reordered)")
-            prev = entry.digest
-            yield entry
+        held: Entry | None = None  # follows `prev`'s entry; given out once its successor names its digest
+        for seq, data in self._read_ahead(after + 1, last):
+            entry = self._decoded(seq, data)
+            if not (isinstance(entry, Entry) and entry.prev == prev) and held is not None \
+                    and isinstance(entry, Entry) and entry.prev is not None:
+                # held's bytes parse but are not the ones its successor names: mend held
+                fixed = self.mend(held.seq, self.raw(held.seq), entry.prev)
+                if fixed is not None and fixed.prev == held.prev:
+                    held, prev = fixed, fixed.digest
+            if not (isinstance(entry, Entry) and entry.prev == prev):
+                entry = self._mended_or_raise(seq, data, entry, prev, last)
+            if held is not None:
+                yield held
+            held, prev = entry, entry.digest
+        if held is not None:
+            yield held
 
-    def _read_ahead(self, first: int, last: int) -> Iterator[Entry]:
-        """Entries first..last in order, read READ_AHEAD at a time in parallel: a bucket answers
-        each GET in milliseconds, and a fresh host's cache is built from the whole log."""
+    def _decoded(self, seq: int, data) -> Entry | CorruptionError:
+        if isinstance(data, CorruptionError):
+            return data
+        try:
+            return decode_entry(seq, data)
+        except CorruptionError as exc:
+            return exc
+
+    def _mended_or_raise(self, seq: int, data, entry, prev: bytes | None, last: int) -> Entry:
+        """Entry `seq` as written, from its damaged bytes and its successor's `prev`; else the
+        error that names it (it does not parse, or does not follow the entry before it)."""
+        successor = self._decoded(seq + 1, self._fetch(seq + 1)) if seq < last else None
+        if isinstance(successor, Entry) and successor.prev is not None and not isinstance(data, CorruptionError):
+            fixed = self.mend(seq, data, successor.prev)
+            if fixed is not None and fixed.prev == prev:
+                return fixed
+        if isinstance(entry, CorruptionError):
+            raise entry
+        raise CorruptionError(f"record log entry {entry_name(seq)} of the store at {self.where} does not "
+                              "follow the entry before it (an entry was lost, replaced or reordered)")
+
+    def _fetch(self, seq: int) -> bytes | CorruptionError:
+        try:
+            return self.raw(seq)
+        except CorruptionError as exc:
+            return exc
+
+    def _read_ahead(self, first: int, last: int) -> Iterator[tuple[int, bytes | CorruptionError]]:
+        """(seq, bytes or the error reading them) of entries first..last in order, read
+        READ_AHEAD at a time in parallel: a bucket answers each GET in milliseconds, and a fresh
+        host's cache is built from the whole log."""
         if last - first < 4:
-            yield from (self.read(seq) for seq in range(first, last + 1))
+            yield from ((seq, self._fetch(seq)) for seq in range(first, last + 1))
             return
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cas-log") as pool:
             for start in range(first, last + 1, READ_AHEAD):
-                yield from pool.map(self.read, range(start, min(start + READ_AHEAD, last + 1)))
+                seqs = range(start, min(start + READ_AHEAD, last + 1))
+                yield from zip(seqs, pool.map(self._fetch, seqs))
 
     def append(self, seq: int, prev: bytes | None, why: str, changes: list[dict],
                gc: dict | None = None) -> Entry | None:

@@ -30,4 +30,5 @@ def repair(path: str, key=None) -> RebuildReport:
         report = store.cache_report
         with store.index.write() as txn:
             rebuild(store, txn, report, check=True)
+        report.log_healed = store.records.heal()  # the entries the rebuild read as written, written back
     return report

@@ -25,6 +25,7 @@ from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
 
+from .records import entry_name
 from .registry import differences, fold_records
 from .stats import delta_bases, reach
 
@@ -93,7 +94,9 @@ def registry_problems(store) -> list[Problem]:
         truth = fold_records(store.records.entries(), store.path, upto=head)
     except CorruptionError as exc:
         return [Problem(exc.key, None, None, f"the record log is damaged: {exc.detail}")]
-    out = []
+    out = [Problem(None, None, None, f"record log entry {entry_name(seq)} is damaged (one bit or byte); it is read as "
+                                      "written, which the digest the store holds of it proves; `cas repair` writes it back")
+           for seq in store.records.still_damaged()]
     for step in sorted(cached.keys() | truth.keys()):
         mine, theirs = cached.get(step), truth.get(step)
         if mine is None or theirs is None:

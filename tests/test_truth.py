@@ -376,14 +376,76 @@ def test_two_processes_rebuilding_at_once_agree(tmp_path):
         assert store.verify().ok
 
 
+def damage(entry, *positions_and_masks) -> bytes:
+    """XOR the masks into the log entry file at the positions; returns its bytes as written."""
+    data = entry.read_bytes()
+    damaged = bytearray(data)
+    for at, mask in positions_and_masks:
+        damaged[at] ^= mask
+    os.chmod(entry, 0o644)
+    entry.write_bytes(bytes(damaged))
+    return data
+
+
+def damage_beyond_mending(entry) -> None:
+    """Two bytes changed: no digest the store holds can prove the original (one bit or byte can)."""
+    damage(entry, (-3, 0xFF), (-40, 0x0F))
+
+
+@pytest.mark.parametrize("where", ["the newest entry, index kept", "an older entry, index lost",
+                                   "an older entry that still parses", "the next entry's prev"])
+def test_a_log_entry_with_one_damaged_bit_or_byte_is_read_as_written_and_repair_writes_it_back(tmp_path, where):
+    """One flipped bit in the newest record-log entry made every open refuse the store (the
+    index's head digest no longer matched, and the rebuild refused the entry), and one in any
+    entry did once the index was lost. The digest the store holds of each entry (the next
+    entry's `prev`, the index's head) proves the original bytes, one bit or byte away."""
+    import socket
+
+    from cas.hashing import hash_bytes
+
+    path = tmp_path / "s"
+    expected = build(path)
+    log = path / "log"
+    names = sorted(os.listdir(log))
+    newest, older, after_older = log / names[-1], log / names[2], log / names[3]
+    if where == "the newest entry, index kept":
+        entry, written = newest, damage(newest, (60, 0x04))
+    elif where == "an older entry, index lost":
+        entry, written = older, damage(older, (100, 0x5A))
+    elif where == "an older entry that still parses":
+        at = older.read_bytes().index(socket.gethostname().encode())
+        entry, written = older, damage(older, (at, 0x01))  # another host name: it parses, its digest is other
+    else:
+        at = after_older.read_bytes().index(hash_bytes(older.read_bytes())) + 7
+        entry, written = after_older, damage(after_older, (at, 0x80))
+    if where != "the newest entry, index kept":
+        drop_index_files(path)
+    with open_store(path) as store:
+        assert flags(store) == expected
+        for step, *_ in expected:
+            assert_loads(store, step, [step, step + 10, 99])
+        report = store.verify()
+        assert [p.message for p in report.problems if "record log entry" in p.message] == [
+            f"record log entry log/{entry.name} is damaged (one bit or byte); it is read as written, which the digest "
+            "the store holds of it proves; `cas repair` writes it back"]
+    result = cli("verify", path=path)
+    assert result.returncode == 1 and "cas repair` writes it back" in result.stdout, result.stdout + result.stderr
+    result = cli("repair", path=path)
+    assert result.returncode == 0 and f"record log entry {int(entry.name, 16)} had one damaged" in result.stdout
+    assert entry.read_bytes() == written
+    assert [n for n in os.listdir(path / "quarantine") if n.startswith(f"log-{entry.name}-")]
+    drop_index_files(path)
+    with open_store(path) as store:
+        assert flags(store) == expected and store.verify().ok
+        store.gc()
+        assert flags(store) == expected
+
+
 def test_a_damaged_log_entry_is_named_and_nothing_is_changed(tmp_path):
     path = tmp_path / "s"
     build(path)
     entry = path / "log" / f"{3:016x}"
-    data = bytearray(entry.read_bytes())
-    data[-3] ^= 0xFF
-    os.chmod(entry, 0o644)
-    entry.write_bytes(bytes(data))
+    damage_beyond_mending(entry)
     drop_index_files(path)
     with pytest.raises(CorruptionError, match="log"):
         open_store(path)
@@ -420,11 +482,7 @@ def test_verify_reads_the_whole_record_log_and_checks_the_index_against_it(tmp_p
     assert cli("verify", path=path).returncode == 0  # a new open finds the rows unproven and rebuilds them
     drop_index_files(path)
     open_store(path).close()  # rebuilt: current, and no open reads old entries again
-    entry = path / "log" / f"{2:016x}"
-    data = bytearray(entry.read_bytes())
-    data[-3] ^= 0xFF
-    os.chmod(entry, 0o644)
-    entry.write_bytes(bytes(data))
+    damage_beyond_mending(path / "log" / f"{2:016x}")
     result = cli("verify", path=path)
     assert result.returncode == 1 and "record log is damaged" in result.stdout, result.stdout + result.stderr
 

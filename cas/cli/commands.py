@@ -325,6 +325,9 @@ def cmd_repair(path: str, args) -> int:
         print(f"the damaged index was moved to {report.moved_aside}")
     for item in report.skipped:
         print(f"skipped: {item}")
+    for seq in report.log_healed:
+        print(f"record log entry {seq} had one damaged bit or byte: written back as it was written "
+              "(the damaged copy is in quarantine/)")
     print(f"rebuilt: {report.objects} objects in {report.packs} packs and object files; "
           f"{len(report.checkpoints)} checkpoints {report.checkpoints}")
     print("run `cas verify` to check every checkpoint")
