@@ -49,6 +49,7 @@ class RebuildReport:
     reason: str | None = None  # why the cache was rebuilt
     snapshot: int | None = None  # the log position of the snapshot it started from, if any
     log_healed: list[int] = field(default_factory=list)  # record log entries repair wrote back as written
+    salvaged: list[str] = field(default_factory=list)  # a read-only open folded around these (damaged entries)
     seconds: float = 0.0
 
 
@@ -133,7 +134,16 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     # The log first: every entry's objects were durable before the entry was created, so a scan
     # made after reading the entries finds all of them (scanning first missed the objects of an
     # entry another cache committed meanwhile, and the cache called itself current without them).
-    entries = list(store.records.entries())
+    salvage = _salvaging(store)
+    damaged: list[CorruptionError] | None = [] if salvage else None
+    try:
+        entries = list(store.records.entries(around=damaged))
+    except CorruptionError as exc:
+        if not store.location.local:
+            raise
+        raise CorruptionError(f"{exc.detail}; a read-only open (cas.open(path, readonly=True); `cas ls`, `cas export`, "
+                              "`cas push` to a new store) reads the checkpoints the rest of the log proves",
+                              key=exc.key) from None
     try:
         old = dict(index.iter_records(txn))
     except CasError:  # a damaged record: choose among the copies on disk alone
@@ -150,7 +160,11 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     store.registry.clear(txn)
     index.clear_pack_states(txn)  # refolded from the log's gc steps
     faults.point("cache.rebuilding")  # a kill here aborts the transaction: the cache stays as it was
-    seq, digest = store.registry.fold(txn, entries)
+    skipped = [] if damaged else None
+    seq, digest = store.registry.fold(txn, entries, skipped=skipped)
+    if damaged:
+        report.salvaged = [str(exc) for exc in damaged] + skipped
+        report.skipped += report.salvaged
     store.registry.set_head(txn, seq, digest)
     txn.put(b"store_id", store.config.store_id.encode(), db=index.db("meta"))
     index.bump_generation(txn)
@@ -158,6 +172,14 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     report.checkpoints = [ck.step for ck in store.registry.all(txn)]
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _salvaging(store) -> bool:
+    """Whether a rebuild may fold around damaged log entries: only into the private cache of
+    a read-only open, which nothing writes through and which is dropped at its close (a cache
+    folded so is not the store's truth: gc or a writer relying on it could lose a checkpoint
+    that a damaged entry added or pinned)."""
+    return getattr(store, "_private_cache", None) is not None
 
 
 def stored_anywhere(store, keys) -> bool:

@@ -6,6 +6,7 @@ commits. A mixin of CheckpointStore (store/store.py), which sets the attributes 
 from __future__ import annotations
 
 import time
+import warnings
 
 from . import cache
 from .registry import Registry
@@ -47,6 +48,9 @@ class CacheKeeping:
             self.objects.index = self.index
             self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
         cache.ensure_current(self, self.cache_report)
+        for problem in self.cache_report.salvaged:
+            warnings.warn(f"cas: {problem}; this read-only open folded the record log around it: a checkpoint that "
+                          "entry added, removed, pinned or marked may be missing or listed as before", stacklevel=4)
         with self.index.read() as txn:
             damage = self.registry.registry_damage(txn)
         if damage is not None:  # the head is current, the rows are not what it folded: rebuild them

@@ -210,15 +210,21 @@ class RecordLog:
         seqs = [s for s in map(name_seq, self.backend.list(LOG_PREFIX)) if s is not None]
         return max(seqs, default=0)
 
-    def entries(self, after: int = 0, prev: bytes | None = None) -> Iterator[Entry]:
+    def entries(self, after: int = 0, prev: bytes | None = None, *,
+                around: list[CorruptionError] | None = None) -> Iterator[Entry]:
         """Entries after `after` in order, each checked to follow the one before (`prev`: the
         digest of entry `after`). An entry is given out once the next one confirms it, so that
         one whose bytes changed but still parse is mended (or reported) before anyone folds it.
-        A gap, a broken chain, or an entry damaged beyond mending is a CorruptionError naming it."""
+        A gap, a broken chain, or an entry damaged beyond mending is a CorruptionError naming it;
+        with `around` (a list), such an entry is skipped and its error appended there instead,
+        and the entry after it is taken without a chain to check (a read-only salvage)."""
         last = self.last_seq()
         held: Entry | None = None  # follows `prev`'s entry; given out once its successor names its digest
+        unknown = False  # the entry before was skipped: nothing to check `prev` against
         for seq, data in self._read_ahead(after + 1, last):
             entry = self._decoded(seq, data)
+            if unknown and isinstance(entry, Entry):
+                prev, unknown = entry.prev, False
             if not (isinstance(entry, Entry) and entry.prev == prev) and held is not None \
                     and isinstance(entry, Entry) and entry.prev is not None:
                 # held's bytes parse but are not the ones its successor names: mend held
@@ -226,7 +232,20 @@ class RecordLog:
                 if fixed is not None and fixed.prev == held.prev:
                     held, prev = fixed, fixed.digest
             if not (isinstance(entry, Entry) and entry.prev == prev):
-                entry = self._mended_or_raise(seq, data, entry, prev, last)
+                try:
+                    entry = self._mended_or_raise(seq, data, entry, prev, last)
+                except CorruptionError as exc:
+                    if around is None:
+                        raise
+                    around.append(exc)
+                    if held is not None and held.seq == seq - 1 and isinstance(entry, Entry):
+                        around.append(CorruptionError(  # held or this entry changed: neither is proven
+                            f"record log entry {entry_name(held.seq)} of the store at {self.where} may be the "
+                            "damaged one (the next entry does not name its digest)"))
+                    if held is not None:
+                        yield held
+                    held, unknown = None, True
+                    continue
             if held is not None:
                 yield held
             held, prev = entry, entry.digest

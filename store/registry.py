@@ -375,16 +375,22 @@ class Registry:
         raise StoreWriteError(f"the record log of the store at {self.store_root} kept moving: {APPEND_ATTEMPTS} "
                               "other writers committed while this one tried; nothing was committed")
 
-    def fold(self, txn, entries) -> tuple[int, bytes | None]:
-        """Apply log entries to the (emptied) cache tables; the last one's (seq, digest)."""
+    def fold(self, txn, entries, *, skipped: list[str] | None = None) -> tuple[int, bytes | None]:
+        """Apply log entries to the (emptied) cache tables; the last one's (seq, digest). With
+        `skipped` (a read-only salvage around damaged entries), a change that does not apply
+        is left out and said there instead of raising."""
         seq, digest = 0, None
         for entry in entries:
-            try:
-                self.apply(txn, entry.seq, list(entry.changes))
-                apply_gc(self.index, txn, entry.gc)
-            except (CheckpointExistsError, CheckpointNotFoundError) as exc:
-                raise CorruptionError(f"record log entry {entry.seq} of the store at {self.store_root} does not "
-                                      f"apply: {exc}") from None
+            batches = [[change] for change in entry.changes] if skipped is not None else [list(entry.changes)]
+            for batch in batches:  # a salvage applies each change alone: one that fails leaves nothing
+                try:
+                    self.apply(txn, entry.seq, batch)
+                except (CheckpointExistsError, CheckpointNotFoundError) as exc:
+                    message = f"record log entry {entry.seq} of the store at {self.store_root} does not apply: {exc}"
+                    if skipped is None:
+                        raise CorruptionError(message) from None
+                    skipped.append(message)
+            apply_gc(self.index, txn, entry.gc)
             seq, digest = entry.seq, entry.digest
         return seq, digest
 

@@ -453,6 +453,43 @@ def test_a_damaged_log_entry_is_named_and_nothing_is_changed(tmp_path):
     assert result.returncode == 2 and "log" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("seq", [6, 2])  # the pin of step 3; the save of step 2 (its milestone, entry 5, then fails)
+def test_a_read_only_open_reads_around_a_log_entry_damaged_beyond_mending(tmp_path, seq):
+    """One damaged entry locked every checkpoint once the index was lost. A writable open still
+    refuses (gc on a registry folded around it could sweep what that entry added or pinned),
+    and says how to get the rest out; a read-only open folds around it into its private cache,
+    warns, and every checkpoint the rest of the log proves loads and can be pushed out."""
+    path = tmp_path / "s"
+    expected = build(path)  # entries: saves 1-4, milestone 2, pin 3, milestone 4 set and unset, delete 1
+    name = f"log/{seq:016x}"
+    damage_beyond_mending(path / name)
+    if seq == 6:
+        expected = [(step, id_, milestone, False) for step, id_, milestone, _ in expected]
+    else:
+        expected = [row for row in expected if row[0] != 2]
+    drop_index_files(path)
+    with pytest.raises(CorruptionError, match=f"{name}.*readonly=True"):
+        open_store(path)  # (it made an empty index, a cache, before it read the log)
+    before = tree_digest(path)
+    with pytest.warns(UserWarning, match=f"{name}.*folded the record log around it"):
+        store = cas.open(path, readonly=True)
+    with store:
+        assert flags(store) == expected
+        for step, *_ in expected:
+            assert_loads(store, step, [step, step + 10, 99])
+        assert any("entry 5" in line and "does not apply" in line for line in store.cache_report.salvaged) == (seq == 2)
+    assert tree_digest(path) == before
+    result = cli("ls", path=path)
+    assert result.returncode == 0 and result.stderr.startswith(f"cas: record log entry {name}"), result.stderr
+    assert "Traceback" not in result.stderr and "UserWarning" not in result.stderr
+    result = cli("push", str(tmp_path / "rescued"), path=path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open_store(tmp_path / "rescued") as rescued:
+        assert [ck.step for ck in rescued.checkpoints()] == [row[0] for row in expected]
+        assert_loads(rescued, 3, [3, 13, 99])
+    assert tree_digest(path) == before
+
+
 def test_verify_reads_the_whole_record_log_and_checks_the_index_against_it(tmp_path):
     """`cas verify` said ok while a record log entry was damaged (only `cas log` and a rebuild
     saw it), and while the index served a checkpoint record or a commit order other than the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from cas.errors import CasError
 
@@ -43,10 +44,18 @@ INT_DIGITS = 10_000
 def main(argv: list[str] | None = None) -> int:
     limit = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(0 if limit == 0 else max(limit, INT_DIGITS))
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return _main(argv)
     finally:
         sys.set_int_max_str_digits(limit)
+        warnings.formatwarning = formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """The library's warnings (each starts "cas: ") as the CLI's own lines, not Python's."""
+    text = str(message)
+    return f"{text if text.startswith('cas: ') else f'cas: {text}'}\n"
 
 
 def _main(argv: list[str] | None) -> int:
