@@ -27,6 +27,7 @@ from typing import Iterator
 import msgpack
 
 from .backend import Backend
+from .codecs import MAGIC as OBJECT_MAGIC
 from .errors import BlobAbsentError, CasError, CorruptionError, MissingObjectError
 from .fanout import Fanout
 from .crypt import namer_of
@@ -147,31 +148,50 @@ class PackFiles(Fanout):
         footer and trailer (a streamed pack) or of all its bytes (`write`), so recomputing it
         proves the list. gc deletes and rewrites a pack by that list: a key damaged in it would
         have made a live entry look dead (an audit lost a checkpoint that way)."""
+        try:
+            return self._footer_names_pack(pack) or namer_of(self.backend).key(self.backend.get(self.name(pack))) == pack
+        except (CasError, OSError):
+            return False
+
+    def _footer_names_pack(self, pack: bytes) -> bool:
+        """Whether the pack's footer and trailer hash to its name (a streamed pack's, intact)."""
         size = self.size(pack)
         if size is None or size < _TRAILER.size:
             return False
-        namer, name = namer_of(self.backend), self.name(pack)
+        name = self.name(pack)
         try:
             length, magic = _TRAILER.unpack(self.backend.get(name, size - _TRAILER.size, _TRAILER.size))
-            if magic == FOOTER_MAGIC and length + _TRAILER.size <= size \
-                    and namer.key(self.backend.get(name, size - length - _TRAILER.size, length + _TRAILER.size)) == pack:
-                return True
-            return namer.key(self.backend.get(name)) == pack
+            return magic == FOOTER_MAGIC and length + _TRAILER.size <= size \
+                and namer_of(self.backend).key(self.backend.get(name, size - length - _TRAILER.size,
+                                                                length + _TRAILER.size)) == pack
+        except (CasError, OSError, struct.error):
+            return False
+
+    def listing_agrees(self, pack: bytes, listed: list[PackEntry]) -> bool:
+        """Whether a footer's list can be taken without reading the pack: it names the pack (a
+        streamed pack's), or every entry's own header in the pack says the key and length it
+        lists (a pack named by all its bytes: one small read an entry, on a local disk)."""
+        if self._footer_names_pack(pack):
+            return True
+        try:
+            return all(self.entry_header(pack, e.offset) == (e.key, e.length) for e in listed)
         except (CasError, OSError, struct.error):
             return False
 
     def entries(self, pack: bytes) -> Iterator[tuple[bytes, int, int]]:
         """(object key, offset, length) of each entry, read from the pack itself (for repair).
-        Stops at the first entry that runs past the end of a truncated pack."""
+        Stops at the first entry that runs past the end of a truncated pack, or whose bytes do
+        not start as an object does (a damaged header, or the footer reached where the trailer
+        that says where it starts is damaged)."""
         data = self.backend.get(self.name(pack))
         if data[:len(PACK_MAGIC)] not in (PACK_MAGIC, PACK_MAGIC_V1):
             raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
         offset = len(PACK_MAGIC)
-        size = len(data) - (_footer_size(data) if data[:len(PACK_MAGIC)] == PACK_MAGIC else 0)
+        size = _entries_end(pack, data) if data[:len(PACK_MAGIC)] == PACK_MAGIC else len(data)
         while offset + _ENTRY.size <= size:
             key, length = _ENTRY.unpack_from(data, offset)
             offset += _ENTRY.size
-            if offset + length > size:
+            if offset + length > size or data[offset:offset + len(OBJECT_MAGIC)] != OBJECT_MAGIC:
                 return
             yield key, offset, length
             offset += length
@@ -295,6 +315,19 @@ class PackStream:
     def discard(self) -> None:
         """Drop the pack's temporary file (a save that aborts)."""
         self._file.discard()
+
+
+def _entries_end(pack: bytes, data) -> int:
+    """Where a format-2 pack's entries end: at its footer, where the trailer places one that
+    parses; else before the trailer (or at the end), for the walk to stop where entries do."""
+    footer = _footer_size(data)
+    if footer:
+        try:
+            _parse_footer(pack, data[len(data) - footer:len(data) - _TRAILER.size], len(data) - footer)
+            return len(data) - footer
+        except CorruptionError:
+            pass
+    return len(data) - (_TRAILER.size if bytes(data[-len(FOOTER_MAGIC):]) == FOOTER_MAGIC else 0)
 
 
 def _footer_size(data) -> int:

@@ -330,22 +330,32 @@ def _scan_packs(packs, copies: dict, report, *, check: bool, commits: list | Non
             footers = dict(zip(sizes, pool.map(lambda item: _footer_or_error(packs, *item), sizes.items())))
     for pack in sizes:
         listed = footers.get(pack)
-        if isinstance(listed, Exception):
-            report.skipped.append(f"pack {pack.hex()}: {listed}")
-        elif listed is not None:
+        if listed is not None and not isinstance(listed, Exception):
             for e in listed:
                 copies.setdefault(e.key, []).append(ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset,
                                                                  base=e.base))
-        else:
+        else:  # no footer, or one that cannot be read or trusted: the pack's own entries, walked
             _scan_pack_entries(packs, pack, copies, report, check=check, commits=commits)
     return len(sizes)
 
 
 def _footer_or_error(packs, pack: bytes, size: int):
+    """A pack's footer; None or the error reading it to walk its entries instead (a format-1
+    pack, a damaged footer, or, on a local disk, one that neither names the pack nor agrees with
+    its entries' headers: one damaged offset put a checkpoint's commit node at the wrong place,
+    and a rebuild lost it). A bucket's footers that parse are taken as read: checking one there
+    costs a GET per entry, and each entry read is checked against its key anyway."""
     try:
-        return packs.listed(pack, size)
+        listed = packs.listed(pack, size)
     except (CorruptionError, OSError) as exc:
         return exc
+    if listed is not None and packs.backend.capabilities.local_path is not None \
+            and not packs.listing_agrees(pack, listed):
+        return None
+    return listed
+
+
+HEAD_READ = 64  # bytes of an entry read for its header where its payload is not checked
 
 
 def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool, commits: list | None) -> None:
@@ -358,10 +368,10 @@ def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool,
         return
     for key, offset, length in entries:
         try:
-            blob = packs.read(pack, offset, length, key)
+            whole = check or commits is not None
+            blob = packs.read(pack, offset, length if whole else min(length, HEAD_READ), key)
             head = parse_header(blob, key=key)
-            raw = decode_into(blob, key, namer=namer_of(packs.backend)) if (check or commits is not None) and not head.base \
-                else None
+            raw = decode_into(blob, key, namer=namer_of(packs.backend)) if whole and not head.base else None
         except CorruptionError as exc:
             report.skipped.append(f"pack {pack.hex()} entry {key.hex()}: {exc.detail}")
             continue
@@ -375,10 +385,11 @@ def _scan_pack_entries(packs, pack: bytes, copies: dict, report, *, check: bool,
 
 
 def _entries_of(packs, pack: bytes) -> list[tuple[bytes, int, int]]:
-    """(key, offset, length) of a pack's entries: the places its footer lists, each with the key
-    of the entry's own header in the pack (a key damaged in the footer must not rename an
-    entry; an entry whose header cannot be read is left out); else, with no footer that reads,
-    walked from its start (up to the first entry a damage or a cut makes unreadable)."""
+    """(key, offset, length) of a pack's entries: those its footer lists when the footer proves
+    itself; else the places it lists, each with the key of the entry's own header in the pack (a
+    key damaged in the footer must not rename an entry; an entry whose header cannot be read is
+    left out), and those found by walking the pack from its start (up to the first entry a
+    damage or a cut makes unreadable)."""
     size = packs.size(pack)
     try:
         listed = packs.listed(pack, size) if size is not None else None
@@ -388,15 +399,19 @@ def _entries_of(packs, pack: bytes) -> list[tuple[bytes, int, int]]:
         return list(packs.entries(pack))
     if packs.footer_trusted(pack):
         return [(e.key, e.offset, e.length) for e in listed]
-    out = []
+    found = {}
     for e in listed:
         try:
             key, length = packs.entry_header(pack, e.offset)
         except (CorruptionError, OSError):
             continue
         if length == e.length:
-            out.append((key, e.offset, length))
-    return out
+            found[e.offset] = (key, e.offset, length)
+    try:  # and the entries as the pack's own headers place them: a damaged offset hid one
+        found.update((offset, (key, offset, length)) for key, offset, length in packs.entries(pack))
+    except (CorruptionError, OSError):
+        pass
+    return [found[offset] for offset in sorted(found)]
 
 
 def _note_commit(key: bytes, raw, commits: list) -> None:
