@@ -196,10 +196,13 @@ class PackFiles(Fanout):
             yield key, offset, length
             offset += length
 
-    def listed(self, pack: bytes, size: int) -> list[PackEntry] | None:
+    def listed(self, pack: bytes, size: int, *, end_to_end: bool = False) -> list[PackEntry] | None:
         """The pack's footer, read from its tail (one ranged read, two for a long footer); None
         for a format-1 pack, which lists nothing (walk its entries). A footer that does not
-        parse, or places an entry outside the pack, is a CorruptionError."""
+        parse, or places an entry outside the pack, is a CorruptionError; with `end_to_end`,
+        so is one whose entries do not lie end to end from the magic to the footer, as every
+        writer of packs places them (write, PackStream): a damaged offset or length shows with
+        no read of the entries."""
         name = self.name(pack)
         if size < len(PACK_MAGIC) + _TRAILER.size:
             raise CorruptionError(f"pack {to_hex(pack)} is too short to be a pack ({size} bytes)")
@@ -217,7 +220,10 @@ class PackFiles(Fanout):
             raise CorruptionError(f"pack {to_hex(pack)} names a footer longer than itself")
         footer = tail[len(tail) - _TRAILER.size - length:len(tail) - _TRAILER.size] if end - length >= start \
             else self.backend.get(name, end - length, length)
-        return _parse_footer(pack, footer, end - length)
+        listed = _parse_footer(pack, footer, end - length)
+        if end_to_end and not _end_to_end(listed, end - length):
+            raise CorruptionError(f"pack {to_hex(pack)} has a footer whose entries do not lie end to end")
+        return listed
 
 
 class PackStream:
@@ -315,6 +321,15 @@ class PackStream:
     def discard(self) -> None:
         """Drop the pack's temporary file (a save that aborts)."""
         self._file.discard()
+
+
+def _end_to_end(listed: list[PackEntry], footer_start: int) -> bool:
+    end = len(PACK_MAGIC)
+    for e in listed:
+        if e.offset != end + _ENTRY.size:
+            return False
+        end = e.offset + e.length
+    return end == footer_start
 
 
 def _entries_end(pack: bytes, data) -> int:

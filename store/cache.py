@@ -340,13 +340,14 @@ def _scan_packs(packs, copies: dict, report, *, check: bool, commits: list | Non
 
 
 def _footer_or_error(packs, pack: bytes, size: int):
-    """A pack's footer; None or the error reading it to walk its entries instead (a format-1
-    pack, a damaged footer, or, on a local disk, one that neither names the pack nor agrees with
-    its entries' headers: one damaged offset put a checkpoint's commit node at the wrong place,
-    and a rebuild lost it). A bucket's footers that parse are taken as read: checking one there
-    costs a GET per entry, and each entry read is checked against its key anyway."""
+    """A pack's footer; None or the error reading it to walk its entries instead: a format-1
+    pack, a damaged footer (one whose entries do not lie end to end: a damaged offset put a
+    checkpoint's commit node at the wrong place, and a rebuild lost it), or, on a local disk,
+    one that neither names the pack nor agrees with its entries' headers (a damaged key). In a
+    bucket a footer that fits is taken as read: checking its keys there costs a GET per entry,
+    and each entry read is checked against its key anyway."""
     try:
-        listed = packs.listed(pack, size)
+        listed = packs.listed(pack, size, end_to_end=True)
     except (CorruptionError, OSError) as exc:
         return exc
     if listed is not None and packs.backend.capabilities.local_path is not None \

@@ -294,6 +294,37 @@ def test_hostile_bucket_contents_are_named_and_never_loaded(s3_url, tmp_path):
         assert_same(store.load(1), state(1))
 
 
+@pytest.mark.parametrize("damage", ["an entry's offset in the footer", "the trailer's footer length"])
+def test_a_segment_whose_footer_or_trailer_is_damaged_is_read_from_its_entries(s3_url, tmp_path, damage):
+    """A fresh host's cache is built from the segments' footers: one damaged offset placed an
+    entry where it is not, and a damaged trailer hid the whole segment, so an intact checkpoint
+    did not load on any new host. A footer whose entries do not lie end to end, or that does
+    not parse, now has the segment's entries walked."""
+    import struct
+
+    import msgpack
+
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(state(1), step=1)
+        backend = store.backend
+        name = max(backend.list("packs/"), key=backend.stat)
+    data = bytearray(backend.get(name))
+    length = struct.unpack("<I", data[-12:-8])[0]
+    if damage == "the trailer's footer length":
+        data[-12] ^= 0x01
+    else:
+        rows = msgpack.unpackb(bytes(data[-12 - length:-12]))
+        rows[len(rows) // 2][1] += 2
+        footer = msgpack.packb(rows, use_bin_type=True)
+        assert len(footer) == length
+        data[-12 - length:-12] = footer
+    backend.delete(name)
+    assert backend.put_if_absent(name, [bytes(data)])
+    with host(s3_url, tmp_path, "b") as fresh:
+        assert_same(fresh.load(1), state(1))
+        assert fresh.verify().ok
+
+
 SAVER = """
 import sys, torch, cas
 g = torch.Generator().manual_seed(2)
