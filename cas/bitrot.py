@@ -1,7 +1,8 @@
-"""Undo one damaged byte of a small blob whose hash another record holds.
+"""Undo one damaged byte of a small blob whose hash another record, or the blob itself, holds.
 
 A store keeps some small blobs whose hashes are written elsewhere: each record-log entry's
-blake3 is in the next entry's `prev`, and the newest one's in the index's head. When such a
+blake3 is in the next entry's `prev`, and the newest one's in the index's head; the config
+ends with the blake3 of the bytes before it. When such a
 blob no longer matches, the cheapest and most common damage (a flipped bit, one byte
 overwritten) can be undone exactly: try every such change and keep the one whose hash is the
 recorded one. A 256-bit hash matching is proof that the bytes are the original ones, so the
@@ -27,12 +28,18 @@ def undo_one_error(data: bytes, digest: bytes,
     `digest`; None when no such bytes exist (or `data` is too large to search)."""
     if hash_fn(data) == digest:
         return bytes(data)
+    return first_fix(data, lambda candidate: hash_fn(candidate) == digest)
+
+
+def first_fix(data: bytes, proves: Callable[[bytearray], bool]) -> bytes | None:
+    """The first bytes differing from `data` in one bit, or else in one byte, that `proves`
+    accepts (it must check a digest: anything weaker would be a guess); None if none does."""
     buf = bytearray(data)
     if len(buf) <= MAX_BIT_FLIPS:
         for i, was in enumerate(data):
             for bit in (1, 2, 4, 8, 16, 32, 64, 128):
                 buf[i] = was ^ bit
-                if hash_fn(buf) == digest:
+                if proves(buf):
                     return bytes(buf)
             buf[i] = was
     if len(buf) <= MAX_BYTE_CHANGES:
@@ -40,7 +47,7 @@ def undo_one_error(data: bytes, digest: bytes,
             for value in range(256):
                 if (value ^ was) & ((value ^ was) - 1):  # two or more bits differ (one-bit tried above)
                     buf[i] = value
-                    if hash_fn(buf) == digest:
+                    if proves(buf):
                         return bytes(buf)
             buf[i] = was
     return None

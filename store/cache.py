@@ -49,6 +49,7 @@ class RebuildReport:
     reason: str | None = None  # why the cache was rebuilt
     snapshot: int | None = None  # the log position of the snapshot it started from, if any
     log_healed: list[int] = field(default_factory=list)  # record log entries repair wrote back as written
+    config_healed: bool = False  # repair wrote the config back as written
     salvaged: list[str] = field(default_factory=list)  # a read-only open folded around these (damaged entries)
     seconds: float = 0.0
 

@@ -27,14 +27,16 @@ import secrets
 import stat
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import msgpack
 
+from cas.bitrot import first_fix
 from cas.crypt import check_fields
 from cas.errors import CasError, FormatVersionError, NotAStoreError
 from cas.fsutil import atomic_write, fsync_dir, read_file
+from cas.hashing import KEY_SIZE, hash_bytes
 
 STORE_FORMAT = 2  # 2: the registry is the record log; 1: it lived only in LMDB (migrated on a writable open)
 ENCRYPTED_FORMAT = 3  # 2 + encryption at rest (cas/crypt.py): a cas without it refuses the store by version
@@ -56,6 +58,9 @@ class Config:
     created: float
     store_id: str
     encryption: dict | None = None  # format 3: cas/crypt.encryption_fields (aead, naming, key check)
+    # the config's bytes as written, where the stored ones differ from them in one bit or byte
+    # (proven by the digest the config ends with); `cas repair` writes them back
+    written: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def encrypted(self) -> bool:
@@ -105,8 +110,43 @@ def read_config(layout: Layout) -> Config:
     return parse_config(data, layout.root, layout.config)
 
 
+# The config's last field: the key "digest" and a 32-byte bin's header, as msgpack packs them,
+# then the blake3 of every byte of the config before this field.
+DIGEST_FIELD = b"\xa6digest\xc4\x20"
+DIGESTED = len(DIGEST_FIELD) + KEY_SIZE
+MAX_MENDED_CONFIG = 4096
+
+
+def _proves_itself(data) -> bool:
+    """Whether a config ends with the digest of its other bytes (configs before it do not)."""
+    return len(data) > DIGESTED and data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD \
+        and hash_bytes(memoryview(data)[:-DIGESTED]) == data[-KEY_SIZE:]
+
+
+def _ends_like_a_digest(raw) -> bool:
+    """Whether a config's last field is a 6-letter key holding 32 bytes: its digest under a
+    damaged name (a config from before the digest ends with store_id or encryption)."""
+    if not isinstance(raw, dict) or not raw:
+        return False
+    name, value = list(raw.items())[-1]
+    return isinstance(name, str) and len(name) == 6 and isinstance(value, bytes) and len(value) == KEY_SIZE
+
+
 def parse_config(data: bytes, root: str, where: str) -> Config:
-    """The config a store's config blob holds (`root`, `where`: the store and the blob, for messages)."""
+    """The config a store's config blob holds (`root`, `where`: the store and the blob, for
+    messages). One that is damaged in one bit or byte is read as written where its digest
+    proves the original (cas/bitrot.py); `written` then holds those bytes."""
+    try:
+        return _parse_config(data, root, where)
+    except (NotAStoreError, FormatVersionError):
+        ours = data.startswith(CONFIG_MAGIC) or data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD
+        written = first_fix(data, _proves_itself) if ours and len(data) <= MAX_MENDED_CONFIG else None
+        if written is None:
+            raise
+    return replace(_parse_config(written, root, where), written=written)
+
+
+def _parse_config(data: bytes, root: str, where: str) -> Config:
     if not data.startswith(CONFIG_MAGIC):
         raise NotAStoreError(f"{root} is not a cas store: its {CONFIG_NAME} file is not a cas config")
     try:
@@ -114,6 +154,8 @@ def parse_config(data: bytes, root: str, where: str) -> Config:
         fmt = raw["format"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         raise NotAStoreError(f"the cas config at {where} is damaged") from None
+    if ("digest" in raw or _ends_like_a_digest(raw)) and not _proves_itself(data):
+        raise NotAStoreError(f"the cas config at {where} is damaged: its bytes do not match the digest it ends with")
     _check_field(raw, "format", (int,), where)  # True or 2.0 is no format: it must not be read (or upgraded)
     if fmt not in READABLE_FORMATS:
         raise FormatVersionError(f"the store at {root} has format version {fmt!r}; this cas "
@@ -147,7 +189,9 @@ def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float
             "created": time.time() if created is None else created, "store_id": store_id or secrets.token_hex(8)}
     if encryption is not None:
         body["encryption"] = encryption
-    return CONFIG_MAGIC + msgpack.packb(body, use_bin_type=True)
+    body["digest"] = bytes(KEY_SIZE)  # last: filled in below with the digest of the bytes before it
+    data = CONFIG_MAGIC + msgpack.packb(body, use_bin_type=True)
+    return data[:-KEY_SIZE] + hash_bytes(data[:-DIGESTED])
 
 
 def can_create(root: str) -> bool:
@@ -199,6 +243,21 @@ def check_chunk_size(chunk_size: int) -> None:
     if type(chunk_size) is not int or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise CasError(f"chunk_size must be an int between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, "
                        f"got {chunk_size!r}")
+
+
+def heal_config(layout: Layout, config: Config) -> bool:
+    """Write a mended config back as it was written (the damaged bytes first kept in
+    quarantine/config-<16 hex of their blake3>); whether it was still damaged on disk."""
+    if config.written is None:
+        return False
+    damaged = read_file(layout.config, 1 << 16)
+    if damaged == config.written:
+        return False
+    os.makedirs(os.path.join(layout.root, "quarantine"), exist_ok=True)
+    atomic_write(os.path.join(layout.root, "quarantine", f"config-{hash_bytes(damaged).hex()[:16]}"), [damaged])
+    atomic_write(layout.config, [config.written])
+    fsync_dir(layout.root)
+    return True
 
 
 def write_config(layout: Layout, *, chunk_size: int, store_id: str | None = None,

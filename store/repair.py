@@ -31,4 +31,5 @@ def repair(path: str, key=None) -> RebuildReport:
         with store.index.write() as txn:
             rebuild(store, txn, report, check=True)
         report.log_healed = store.records.heal()  # the entries the rebuild read as written, written back
+        report.config_healed = L.heal_config(layout, store.config)
     return report

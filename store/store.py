@@ -37,7 +37,7 @@ from .registry import Checkpoint, exists_error, remove_change, set_change
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
 from .tree import encode_nodes, plan
-from .verify import VerifyReport, registry_problems, verify_checkpoints
+from .verify import VerifyReport, config_problems, registry_problems, verify_checkpoints
 
 
 @dataclass(frozen=True)
@@ -539,7 +539,7 @@ class CheckpointStore(CacheKeeping, Loading):
         cks = [self.resolve(step)] if step is not None else self.checkpoints()
         report = verify_checkpoints(self, cks, quick=quick, progress=progress)
         if step is None:  # the whole store: its record log and the registry folded from it too
-            report.problems[:0] = registry_problems(self)
+            report.problems[:0] = config_problems(self) + registry_problems(self)
         return report
 
     def verify_signatures(self, public_key) -> dict[int, str]:

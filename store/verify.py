@@ -75,6 +75,17 @@ class VerifyReport:
         return [s for s in self.checked_checkpoints if s not in damaged]
 
 
+def config_problems(store) -> list[Problem]:
+    """The config read as written though its bytes are damaged (one bit or byte, proven by the
+    digest it ends with: store/layout.py), while they still are."""
+    written = store.config.written
+    if written is None or bytes(store.backend.get("config")) == written:
+        return []
+    fix = "`cas repair` writes it back" if store.location.local else "cas does not rewrite a bucket's config"
+    return [Problem(None, None, None, f"the store's config is damaged (one bit or byte); it is read as written, which "
+                                      f"the digest it ends with proves; {fix}")]
+
+
 def registry_problems(store) -> list[Problem]:
     """The record log read whole (every entry authenticated in an encrypted store and chained
     to the one before) and the cache's registry compared with its fold up to the entry the cache

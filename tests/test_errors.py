@@ -46,12 +46,23 @@ def test_empty_folder_becomes_a_store(tmp_path):
         assert s.checkpoints() == [] and s.latest() is None
 
 
+def rewrite_config(cfg, field: str, value) -> None:
+    """The config with one field changed and its digest made to match, as a cas (a newer one, a
+    buggy one) that wrote it would have: a change one byte away is otherwise read as damage and
+    undone (store/layout.py)."""
+    from cas.hashing import hash_bytes
+
+    body = msgpack.unpackb(cfg.read_bytes()[len(CONFIG_MAGIC):])
+    body.pop("digest")
+    body[field] = value
+    body["digest"] = bytes(32)
+    data = CONFIG_MAGIC + msgpack.packb(body, use_bin_type=True)
+    cfg.write_bytes(data[:-32] + hash_bytes(data[:-41]))
+
+
 def test_store_of_a_newer_format_is_refused(store_path):
     cas.open(store_path).close()
-    cfg = store_path / "config"
-    body = msgpack.unpackb(cfg.read_bytes()[len(CONFIG_MAGIC):])
-    body["format"] = 99
-    cfg.write_bytes(CONFIG_MAGIC + msgpack.packb(body))
+    rewrite_config(store_path / "config", "format", 99)
     with pytest.raises(cas.FormatVersionError, match="format version 99"):
         cas.open(store_path)
 
@@ -62,9 +73,7 @@ def test_store_of_a_newer_format_is_refused(store_path):
 def test_config_fields_of_the_wrong_type_are_refused_and_unchanged(store_path, field, value):
     cas.open(store_path).close()
     cfg = store_path / "config"
-    body = msgpack.unpackb(cfg.read_bytes()[len(CONFIG_MAGIC):])
-    body[field] = value  # format True == 1: read so, the store was "upgraded" (its config rewritten)
-    cfg.write_bytes(CONFIG_MAGIC + msgpack.packb(body))
+    rewrite_config(cfg, field, value)  # format True == 1: read so, the store was "upgraded" (its config rewritten)
     before = cfg.read_bytes()
     with pytest.raises(cas.NotAStoreError, match=f"damaged: its '{field}' is"):
         cas.open(store_path)

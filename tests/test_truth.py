@@ -459,6 +459,40 @@ def test_a_damaged_log_entry_is_named_and_nothing_is_changed(tmp_path):
     assert result.returncode == 2 and "log" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_config_with_one_damaged_bit_or_byte_is_read_as_written_and_repair_writes_it_back(tmp_path):
+    """Any damaged byte of the config (about 120 bytes) made every open refuse the store:
+    `cas ls` said it was not a store, or a flipped format asked to upgrade cas. A config now
+    ends with the blake3 of its other bytes, which proves the original one bit or byte away."""
+    import msgpack
+
+    path = tmp_path / "s"
+    expected = build(path)
+    config = path / "config"
+    written = config.read_bytes()
+    fields = msgpack.unpackb(written[len(b"cas-store\n"):])
+    assert list(fields)[-1] == "digest"
+    format_at = written.index(b"\xa6format") + 7
+    for at, mask in [(0, 0x20), (format_at, 0x04), (len(written) // 2, 0xFF), (len(written) - 40, 0x01),
+                     (len(written) - 1, 0x80)]:
+        os.chmod(config, 0o644)
+        config.write_bytes(bytes(b ^ mask if i == at else b for i, b in enumerate(written)))
+        drop_index_files(path)
+        with open_store(path) as store:
+            assert flags(store) == expected
+            assert_loads(store, 4, [4, 14, 99])
+            assert [p.message for p in store.verify().problems] == [
+                "the store's config is damaged (one bit or byte); it is read as written, which the digest it ends with "
+                "proves; `cas repair` writes it back"], at
+        result = cli("repair", path=path)
+        assert result.returncode == 0 and "the config had one damaged bit or byte" in result.stdout, result.stdout
+        assert config.read_bytes() == written
+        assert cli("verify", path=path).returncode == 0
+    os.chmod(config, 0o644)
+    config.write_bytes(bytes(b ^ 0xFF if i in (20, 30) else b for i, b in enumerate(written)))
+    with pytest.raises(cas.NotAStoreError, match="config"):
+        open_store(path)
+
+
 @pytest.mark.parametrize("seq", [6, 2])  # the pin of step 3; the save of step 2 (its milestone, entry 5, then fails)
 def test_a_read_only_open_reads_around_a_log_entry_damaged_beyond_mending(tmp_path, seq):
     """One damaged entry locked every checkpoint once the index was lost. A writable open still

@@ -325,6 +325,9 @@ def cmd_repair(path: str, args) -> int:
         print(f"the damaged index was moved to {report.moved_aside}")
     for item in report.skipped:
         print(f"skipped: {item}")
+    if report.config_healed:
+        print("the config had one damaged bit or byte: written back as it was written (the damaged copy is in "
+              "quarantine/)")
     for seq in report.log_healed:
         print(f"record log entry {seq} had one damaged bit or byte: written back as it was written "
               "(the damaged copy is in quarantine/)")
