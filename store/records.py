@@ -225,8 +225,7 @@ class RecordLog:
             entry = self._decoded(seq, data)
             if unknown and isinstance(entry, Entry):
                 prev, unknown = entry.prev, False
-            if not (isinstance(entry, Entry) and entry.prev == prev) and held is not None \
-                    and isinstance(entry, Entry) and entry.prev is not None:
+            if isinstance(entry, Entry) and entry.prev not in (prev, None) and held is not None:
                 # held's bytes parse but are not the ones its successor names: mend held
                 fixed = self.mend(held.seq, self.raw(held.seq), entry.prev)
                 if fixed is not None and fixed.prev == held.prev:
