@@ -25,6 +25,7 @@ from . import signing, snapshots
 from . import layout as L
 from . import bases as delta_bases
 from . import pipeline
+from . import background
 from .background import BackgroundSaves, SaveFuture
 from .cachekeeping import CacheKeeping
 from .commit import SaveRecord, commit_save
@@ -125,6 +126,7 @@ class CheckpointStore(CacheKeeping, Loading):
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
         self._recoder = Recoder(self.objects, self._workers, self.after_recode)  # reverse deltas, after each commit
         self._closed = False
+        background.close_at_exit(self)  # a script that ends without close() still finishes its saves
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -132,6 +134,7 @@ class CheckpointStore(CacheKeeping, Loading):
         looked at is raised here."""
         if self._closed:
             return
+        background.closed(self)
         if os.getpid() != self._pid:  # a forked child's copy: its threads and LMDB are the parent's
             self._closed = True
             return

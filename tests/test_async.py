@@ -355,3 +355,24 @@ def test_a_lazy_module_is_restored_last_too(store):
     with pytest.raises(cas.StateMismatchError, match="'opt' refused"):
         store.restore({"model": target, "opt": torch.optim.SGD(target.parameters(), lr=0.1)})
     assert torch.nn.parameter.is_lazy(target[0].weight)  # untouched: still uninitialized
+
+
+@pytest.mark.parametrize("ending", ["the script ends", "sys.exit(0)", "an exception"])
+def test_a_script_that_ends_after_save_async_without_close_still_commits_the_save(tmp_path, ending):
+    """A script that ended after save_async, with no wait() or close(), lost the checkpoint and
+    said nothing (exit code 0): at exit concurrent.futures stops taking work, and the save's
+    hashing and writing could no longer start. Stores still open are now closed at exit, first."""
+    path = tmp_path / "s"
+    last = {"the script ends": "", "sys.exit(0)": "sys.exit(0)", "an exception": "raise RuntimeError('boom')"}[ending]
+    script = textwrap.dedent(f"""
+        import sys, torch, cas
+        store = cas.open({str(path)!r})
+        store.save_async({{"w": torch.arange(3_000_000, dtype=torch.float32)}}, step=1)
+        {last}
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (result.returncode != 0) == (ending == "an exception"), result.stderr
+    assert "cas:" not in result.stderr, result.stderr
+    with cas.open(path) as store:
+        assert [ck.step for ck in store.checkpoints()] == [1]
+        assert torch.equal(store.load(1)["w"], torch.arange(3_000_000, dtype=torch.float32))
