@@ -1,8 +1,9 @@
 """Undo one damaged byte of a small blob whose hash another record, or the blob itself, holds.
 
 A store keeps some small blobs whose hashes are written elsewhere: each record-log entry's
-blake3 is in the next entry's `prev`, and the newest one's in the index's head; the config
-ends with the blake3 of the bytes before it. When such a
+blake3 is in the next entry's `prev`, and the newest one's in the index's head. The config and
+log entries also end with a digest of their own bytes (`with_digest`: a last msgpack field
+`digest`, which readers that do not know it ignore). When such a
 blob no longer matches, the cheapest and most common damage (a flipped bit, one byte
 overwritten) can be undone exactly: try every such change and keep the one whose hash is the
 recorded one. A 256-bit hash matching is proof that the bytes are the original ones, so the
@@ -13,13 +14,53 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .hashing import hash_bytes
+import msgpack
+
+from .hashing import KEY_SIZE, hash_bytes
 
 # The search hashes the whole blob once per change tried, so its cost grows with the square of
 # the size: these bounds keep it under about a second on one core (a record-log entry of a save
 # is about 500 bytes: 8 ms for its bit flips, 0.15 s for its byte changes).
 MAX_BIT_FLIPS = 16 << 10  # blobs up to this size have every single-bit flip tried (8 a byte)
 MAX_BYTE_CHANGES = 2 << 10  # and up to this size every other single-byte value (247 more a byte)
+
+
+# A self-digested blob's last field: the key "digest" and a 32-byte bin's header, as msgpack
+# packs them, then the blake3 of every byte of the blob before this field.
+DIGEST_FIELD = b"\xa6digest\xc4\x20"
+DIGESTED = len(DIGEST_FIELD) + KEY_SIZE
+
+
+def with_digest(prefix: bytes, body: dict) -> bytes:
+    """`prefix` + msgpack of `body` (a map) with a last field `digest`: the blake3 of the bytes
+    before that field, so that the blob proves itself (`proves_itself`)."""
+    data = prefix + msgpack.packb({**body, "digest": bytes(KEY_SIZE)}, use_bin_type=True)
+    return data[:-KEY_SIZE] + hash_bytes(data[:-DIGESTED])
+
+
+def proves_itself(data) -> bool:
+    """Whether `data` ends with the digest field of the bytes before it (with_digest)."""
+    return len(data) > DIGESTED and data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD \
+        and hash_bytes(memoryview(data)[:-DIGESTED]) == data[-KEY_SIZE:]
+
+
+def claims_a_digest(raw) -> bool:
+    """Whether a decoded map says it was written with a digest: it has one, or its last field
+    is a six-letter key holding 32 bytes (the digest under a damaged name)."""
+    if not isinstance(raw, dict) or not raw:
+        return False
+    if "digest" in raw:
+        return True
+    name, value = list(raw.items())[-1]
+    return isinstance(name, str) and len(name) == 6 and isinstance(value, bytes) and len(value) == KEY_SIZE
+
+
+def undo_own_error(data: bytes, magic: bytes) -> bytes | None:
+    """A self-digested blob as written, where `data` is one bit or byte from it; None if not
+    (or if `data` does not look like such a blob: its magic or its digest field in place)."""
+    if not (data.startswith(magic) or data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD):
+        return None
+    return first_fix(data, proves_itself)
 
 
 def undo_one_error(data: bytes, digest: bytes,

@@ -32,11 +32,11 @@ from typing import Iterator
 
 import msgpack
 
-from cas.bitrot import first_fix
+from cas.bitrot import claims_a_digest, proves_itself, undo_own_error, with_digest
 from cas.crypt import check_fields
 from cas.errors import CasError, FormatVersionError, NotAStoreError
 from cas.fsutil import atomic_write, fsync_dir, read_file
-from cas.hashing import KEY_SIZE, hash_bytes
+from cas.hashing import hash_bytes
 
 STORE_FORMAT = 2  # 2: the registry is the record log; 1: it lived only in LMDB (migrated on a writable open)
 ENCRYPTED_FORMAT = 3  # 2 + encryption at rest (cas/crypt.py): a cas without it refuses the store by version
@@ -110,26 +110,7 @@ def read_config(layout: Layout) -> Config:
     return parse_config(data, layout.root, layout.config)
 
 
-# The config's last field: the key "digest" and a 32-byte bin's header, as msgpack packs them,
-# then the blake3 of every byte of the config before this field.
-DIGEST_FIELD = b"\xa6digest\xc4\x20"
-DIGESTED = len(DIGEST_FIELD) + KEY_SIZE
 MAX_MENDED_CONFIG = 4096
-
-
-def _proves_itself(data) -> bool:
-    """Whether a config ends with the digest of its other bytes (configs before it do not)."""
-    return len(data) > DIGESTED and data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD \
-        and hash_bytes(memoryview(data)[:-DIGESTED]) == data[-KEY_SIZE:]
-
-
-def _ends_like_a_digest(raw) -> bool:
-    """Whether a config's last field is a 6-letter key holding 32 bytes: its digest under a
-    damaged name (a config from before the digest ends with store_id or encryption)."""
-    if not isinstance(raw, dict) or not raw:
-        return False
-    name, value = list(raw.items())[-1]
-    return isinstance(name, str) and len(name) == 6 and isinstance(value, bytes) and len(value) == KEY_SIZE
 
 
 def parse_config(data: bytes, root: str, where: str) -> Config:
@@ -139,8 +120,7 @@ def parse_config(data: bytes, root: str, where: str) -> Config:
     try:
         return _parse_config(data, root, where)
     except (NotAStoreError, FormatVersionError):
-        ours = data.startswith(CONFIG_MAGIC) or data[-DIGESTED:-KEY_SIZE] == DIGEST_FIELD
-        written = first_fix(data, _proves_itself) if ours and len(data) <= MAX_MENDED_CONFIG else None
+        written = undo_own_error(data, CONFIG_MAGIC) if len(data) <= MAX_MENDED_CONFIG else None
         if written is None:
             raise
     return replace(_parse_config(written, root, where), written=written)
@@ -154,7 +134,7 @@ def _parse_config(data: bytes, root: str, where: str) -> Config:
         fmt = raw["format"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         raise NotAStoreError(f"the cas config at {where} is damaged") from None
-    if ("digest" in raw or _ends_like_a_digest(raw)) and not _proves_itself(data):
+    if claims_a_digest(raw) and not proves_itself(data):
         raise NotAStoreError(f"the cas config at {where} is damaged: its bytes do not match the digest it ends with")
     _check_field(raw, "format", (int,), where)  # True or 2.0 is no format: it must not be read (or upgraded)
     if fmt not in READABLE_FORMATS:
@@ -189,9 +169,7 @@ def config_bytes(*, chunk_size: int, store_id: str | None = None, created: float
             "created": time.time() if created is None else created, "store_id": store_id or secrets.token_hex(8)}
     if encryption is not None:
         body["encryption"] = encryption
-    body["digest"] = bytes(KEY_SIZE)  # last: filled in below with the digest of the bytes before it
-    data = CONFIG_MAGIC + msgpack.packb(body, use_bin_type=True)
-    return data[:-KEY_SIZE] + hash_bytes(data[:-DIGESTED])
+    return with_digest(CONFIG_MAGIC, body)
 
 
 def can_create(root: str) -> bool:

@@ -23,7 +23,7 @@ from typing import Iterator
 import msgpack
 
 from cas.backend import Backend
-from cas.bitrot import undo_one_error
+from cas.bitrot import claims_a_digest, proves_itself, undo_one_error, undo_own_error, with_digest
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import KEY_SIZE, hash_bytes
 
@@ -89,7 +89,7 @@ def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict], gc
             "host": socket.gethostname(), "pid": os.getpid(), "user": _user(), "changes": changes}
     if gc is not None:
         body["gc"] = gc
-    return ENTRY_MAGIC + msgpack.packb(body, use_bin_type=True)
+    return with_digest(ENTRY_MAGIC, body)
 
 
 def decode_entry(seq: int, data: bytes) -> Entry:
@@ -99,6 +99,8 @@ def decode_entry(seq: int, data: bytes) -> Entry:
         raise CorruptionError(f"record log entry {name} is not a cas log entry")
     try:
         body = msgpack.unpackb(data[len(ENTRY_MAGIC):], raw=False, strict_map_key=False)
+        if claims_a_digest(body) and not proves_itself(data):
+            raise CorruptionError(f"record log entry {name} is damaged: its bytes do not match the digest it ends with")
         if body["format"] != ENTRY_FORMAT:
             raise CasError(f"record log entry {name} has format {body['format']!r}; this cas reads "
                            f"{ENTRY_FORMAT} (upgrade cas)")
@@ -167,10 +169,11 @@ class RecordLog:
     def read(self, seq: int) -> Entry:
         return decode_entry(seq, self.raw(seq))
 
-    def mend(self, seq: int, data: bytes, digest: bytes) -> Entry | None:
-        """Entry `seq` as written, when `data` (its bytes now) differs from bytes that hash to
-        `digest` in one bit or byte and those decode; None otherwise."""
-        original = undo_one_error(data, digest)
+    def mend(self, seq: int, data: bytes, digest: bytes | None) -> Entry | None:
+        """Entry `seq` as written, when `data` (its bytes now) differs in one bit or byte from
+        bytes that hash to `digest` (None: that end with the digest of their other bytes, as
+        entries since stop 33 do) and those decode; None otherwise."""
+        original = undo_one_error(data, digest) if digest is not None else undo_own_error(data, ENTRY_MAGIC)
         if original is None or original == data:
             return None
         try:
@@ -263,8 +266,11 @@ class RecordLog:
         """Entry `seq` as written, from its damaged bytes and its successor's `prev`; else the
         error that names it (it does not parse, or does not follow the entry before it)."""
         successor = self._decoded(seq + 1, self._fetch(seq + 1)) if seq < last else None
-        if isinstance(successor, Entry) and successor.prev is not None and not isinstance(data, CorruptionError):
-            fixed = self.mend(seq, data, successor.prev)
+        if not isinstance(data, CorruptionError):
+            if isinstance(successor, Entry) and successor.prev is not None:
+                fixed = self.mend(seq, data, successor.prev)
+            else:  # the newest entry (or its successor damaged too): its own digest, where it has one
+                fixed = self.mend(seq, data, None)
             if fixed is not None and fixed.prev == prev:
                 return fixed
         if isinstance(entry, CorruptionError):

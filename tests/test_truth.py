@@ -398,13 +398,15 @@ def damage_beyond_mending(entry) -> None:
     damage(entry, (-3, 0xFF), (-40, 0x0F))
 
 
-@pytest.mark.parametrize("where", ["the newest entry, index kept", "an older entry, index lost",
-                                   "an older entry that still parses", "the next entry's prev"])
+@pytest.mark.parametrize("where", ["the newest entry, index kept", "the newest entry, index lost",
+                                   "an older entry, index lost", "an older entry that still parses",
+                                   "the next entry's prev"])
 def test_a_log_entry_with_one_damaged_bit_or_byte_is_read_as_written_and_repair_writes_it_back(tmp_path, where):
     """One flipped bit in the newest record-log entry made every open refuse the store (the
     index's head digest no longer matched, and the rebuild refused the entry), and one in any
-    entry did once the index was lost. The digest the store holds of each entry (the next
-    entry's `prev`, the index's head) proves the original bytes, one bit or byte away."""
+    entry did once the index was lost. The digests the store holds of each entry (the next
+    entry's `prev`, the index's head, the digest the entry ends with) prove the original bytes,
+    one bit or byte away."""
     import socket
 
     from cas.hashing import hash_bytes
@@ -414,7 +416,7 @@ def test_a_log_entry_with_one_damaged_bit_or_byte_is_read_as_written_and_repair_
     log = path / "log"
     names = sorted(os.listdir(log))
     newest, older, after_older = log / names[-1], log / names[2], log / names[3]
-    if where == "the newest entry, index kept":
+    if where.startswith("the newest entry"):  # proven by the index's head, or by its own digest
         entry, written = newest, damage(newest, (60, 0x04))
     elif where == "an older entry, index lost":
         entry, written = older, damage(older, (100, 0x5A))
