@@ -86,12 +86,14 @@ _MARKER_LIMIT = 64 << 10  # a marker is a few hundred bytes; a larger file is so
 
 @dataclass(frozen=True)
 class Marker:
-    """What a marker file says: checkpoint `id` at `step` of the store at `store`, saved at `path`."""
+    """What a marker file says: checkpoint `id` at `step` of the store at `store`, saved at `path`
+    (`store_relative`: the store's path from the marker's folder, when both are local)."""
 
     store: str
     step: int
     id: str
     path: str
+    store_relative: str | None = None
 
 
 # --- the files markers are: local paths, or URLs of another fsspec filesystem (s3://...) -------
@@ -152,8 +154,10 @@ def _modified(path: str) -> datetime.datetime:
 def write_marker(path: str, store: CheckpointStore, ck: Checkpoint) -> None:
     """Put the marker of `ck` at `path` (replacing what is there: a save at a path overwrites
     it, as Lightning expects of a file)."""
-    body = msgpack.packb({"format": MARKER_FORMAT, "store": store.path, "step": ck.step, "id": ck.id,
-                          "path": path}, use_bin_type=True)
+    fields = {"format": MARKER_FORMAT, "store": store.path, "step": ck.step, "id": ck.id, "path": path}
+    if _remote(path) is None and _remote(store.path) is None:  # found again when the run folder moves
+        fields["store_relative"] = os.path.relpath(store.path, os.path.dirname(path))
+    body = msgpack.packb(fields, use_bin_type=True)
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr(zipfile.ZipInfo(MARKER_MEMBER, date_time=(1980, 1, 1, 0, 0, 0)), body)
@@ -176,9 +180,9 @@ def read_marker(path: str) -> Marker | None:
         if not isinstance(fields, dict) or fields.get("format") != MARKER_FORMAT:
             raise ValueError(f"marker format {fields.get('format') if isinstance(fields, dict) else None!r}, "
                              f"not {MARKER_FORMAT}")
-        marker = Marker(fields["store"], fields["step"], fields["id"], fields["path"])
+        marker = Marker(fields["store"], fields["step"], fields["id"], fields["path"], fields.get("store_relative"))
         if not (isinstance(marker.store, str) and type(marker.step) is int and isinstance(marker.id, str)
-                and isinstance(marker.path, str)):
+                and isinstance(marker.path, str) and isinstance(marker.store_relative, (str, type(None)))):
             raise ValueError("fields of the wrong types")
     # EOFError, NotImplementedError, RuntimeError: zipfile's for a truncated, compressed or encrypted member
     except (zipfile.BadZipFile, ValueError, KeyError, TypeError, EOFError, NotImplementedError, RuntimeError,
@@ -205,17 +209,60 @@ def marked_checkpoint(store: CheckpointStore, marker: Marker, where: str) -> Che
     return ck
 
 
-@contextlib.contextmanager
-def _store_of(marker: Marker, opened: CheckpointStore | None) -> Iterator[CheckpointStore]:
-    """The store a marker names: `opened` when it is that one, else opened read-only here."""
-    if opened is not None and opened.path == marker.store:
-        yield opened
-        return
-    store = open_named(marker.store, create=False, readonly=True)  # an encrypted one: $CAS_KEY_FILE's key
+def _holding(store: CheckpointStore, marker: Marker) -> Checkpoint | None:
+    """The checkpoint of `store` with the marker's id (its step first): an id is the hash of a
+    checkpoint's content, so any store holding it holds that checkpoint."""
     try:
-        yield store
-    finally:
-        store.close()
+        ck = store.get(marker.step)
+    except CheckpointNotFoundError:
+        ck = None
+    if ck is not None and ck.id == marker.id:
+        return ck
+    return next((c for c in store.checkpoints() if c.id == marker.id), None)
+
+
+def _stores_to_try(marker: Marker, where: str, opened: CheckpointStore | None) -> list[str]:
+    """Where a marker read at `where` may find its checkpoint, in order: the plugin's own store,
+    the store at the marker's relative place (a run folder moved or renamed with its store),
+    and the store it names."""
+    paths = [opened.path] if opened is not None else []
+    if marker.store_relative is not None and _remote(where) is None:
+        paths.append(os.path.normpath(os.path.join(os.path.dirname(where), marker.store_relative)))
+    paths.append(marker.store)
+    return list(dict.fromkeys(paths))
+
+
+@contextlib.contextmanager
+def _marked(marker: Marker, where: str, opened: CheckpointStore | None) -> Iterator[tuple[CheckpointStore, Checkpoint]]:
+    """(store, checkpoint) the marker read at `where` names. A store holding the marker's id
+    holds it; else, only while the marker is still at the path it was written to, the save that
+    replaced it at its step in the store it names (marked_checkpoint). A marker moved or
+    copied elsewhere never stands for another run's checkpoint that lists its old path (a
+    renamed run resumed from the run that then took over its old folder, with no error)."""
+    tried = []
+    for path in _stores_to_try(marker, where, opened):
+        store = opened if opened is not None and path == opened.path else None
+        owned = store is None
+        if owned:
+            try:
+                store = open_named(path, create=False, readonly=True)  # an encrypted one: $CAS_KEY_FILE's key
+            except CasError as exc:
+                tried.append(f"{path} ({exc})")
+                continue
+        try:
+            ck = _holding(store, marker)
+            if ck is None and path == marker.store and where == marker.path:
+                ck = marked_checkpoint(store, marker, where)
+            if ck is not None:
+                yield store, ck
+                return
+            tried.append(path)
+        finally:
+            if owned:
+                store.close()
+    raise CheckpointNotFoundError(
+        f"the marker {where} names checkpoint {marker.id[:12]} at step {marker.step} of the store at {marker.store}, "
+        f"which no store holds any more (tried: {'; '.join(tried)}): deleted, by retention or `cas rm`, or replaced")
 
 
 def load_marked(path: str | os.PathLike, *, store: CheckpointStore | None = None,
@@ -230,8 +277,8 @@ def load_marked(path: str | os.PathLike, *, store: CheckpointStore | None = None
 
 
 def _load(marker: Marker, where: str, store: CheckpointStore | None, device) -> dict:
-    with _store_of(marker, store) as source:
-        return source.load(marked_checkpoint(source, marker, where).step, device=device)
+    with _marked(marker, where, store) as (source, ck):
+        return source.load(ck.step, device=device)
 
 
 def cas_url(path: str | os.PathLike) -> str:
@@ -347,10 +394,13 @@ class CasCheckpointIO(CheckpointIO):
         local = _where(path)
         marker = read_marker(local)
         if marker is not None:
-            if marker.store != self.store.path:
-                raise CasError(f"the marker {local} names a checkpoint of the store at {marker.store}, not of this "
-                               f"plugin's store at {self.store.path}")
-            return marker.step
+            if marker.store == self.store.path and local == marker.path:
+                return marker.step
+            ck = _holding(self.store, marker)  # a run folder moved or renamed with its store
+            if ck is None:
+                raise CasError(f"the marker {local} names checkpoint {marker.id[:12]} of the store at {marker.store}, "
+                               f"which this plugin's store at {self.store.path} does not hold")
+            return ck.step
         cks = self.store.checkpoints()
         given = os.fspath(path)
         listing = [ck for ck in cks if local in _paths(ck) or given in _paths(ck)]

@@ -103,6 +103,35 @@ def test_resume_from_the_store_matches_an_uninterrupted_run(tmp_path):
     io.close()
 
 
+def test_a_run_folder_moved_or_renamed_resumes_its_own_checkpoints(tmp_path):
+    """Markers held the store's absolute path, and a load opened that store rather than the
+    plugin's: a run renamed to exp_old, with another run then trained in exp, resumed from the
+    other run's weights with no error (that run's checkpoint at the same step listed the old
+    path); a run folder moved elsewhere could not be resumed or loaded at all. A checkpoint id
+    is its content's hash, so a store holding it holds that checkpoint: the plugin's own store
+    is asked first, then the store at the marker's relative place, then the one it names."""
+    import shutil
+
+    run, old = tmp_path / "exp", tmp_path / "exp_old"
+    first = fitted(0, 2, CasCheckpointIO(run / "store"), dirpath=run / "ckpt", save_last=True)
+    os.rename(run, old)
+    second = fitted(1, 2, CasCheckpointIO(run / "store"), dirpath=run / "ckpt", save_last=True)
+    assert not torch.equal(first.net[0].weight, second.net[0].weight)
+    for ckpt_path in (str(old / "ckpt" / "last.ckpt"), "last"):
+        io = CasCheckpointIO(old / "store")
+        resumed = fitted(2, 2, io, ckpt_path=ckpt_path, dirpath=old / "ckpt", save_last=True)
+        io.close()
+        assert_same(weights(resumed), weights(first))  # two epochs done: nothing trained after the load
+    assert_same(weights(Tiny.load_from_checkpoint(old / "ckpt" / "last.ckpt")), weights(first))
+    moved = tmp_path / "elsewhere" / "exp"
+    shutil.move(old, moved)
+    io = CasCheckpointIO(moved / "store")
+    resumed = fitted(2, 2, io, ckpt_path="last", dirpath=moved / "ckpt", save_last=True)
+    io.close()
+    assert_same(weights(resumed), weights(first))
+    assert_same(weights(Tiny.load_from_checkpoint(moved / "ckpt" / "last.ckpt")), weights(first))
+
+
 @pytest.mark.parametrize("naming", [{}, {"filename": "model", "monitor": "step", "mode": "max"}],
                          ids=["default-names", "fixed-filename"])
 def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_checkpoints(tmp_path, naming):
