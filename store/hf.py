@@ -21,8 +21,9 @@ store holds it, except the best one while load_best_model_at_end needs it (the T
 best model from that folder when training ends). The store's retention (cas.open(path, retention=Retention(keep_last=3))), not
 save_total_limit, decides which stored checkpoints stay. A store opens once per process: to
 resume in the process that trained, pass the callback's open store (callback.store). Single
-process (or data parallel, saved by the main process) only: FSDP and DeepSpeed shard state that
-this callback does not gather, and a GradScaler is not saved.
+process (or data parallel, saved by the main process, with every rank's RNG states gathered
+to it and written back as each rank's rng_state_<rank>.pth) only: FSDP and DeepSpeed shard
+state that this callback does not gather, and a GradScaler is not saved.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import ParallelMode
 
 from cas.errors import CasError
 
@@ -49,6 +51,8 @@ from .store import CheckpointStore
 # File names Trainer.train(resume_from_checkpoint=...) reads (transformers.trainer's constants).
 WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE = "model.safetensors", "optimizer.pt", "scheduler.pt"
 RNG_FILE, TRAINER_STATE_FILE = "rng_state.pth", "trainer_state.json"
+RANK_RNG_FILE = "rng_state_{}.pth"  # a distributed run's, one per rank
+RANKS_RNG = "rng_ranks"  # the checkpoint's key for every rank's RNG states (distributed runs)
 
 
 @contextlib.contextmanager
@@ -62,12 +66,28 @@ def _opened(store: str | os.PathLike | CheckpointStore) -> Iterator[CheckpointSt
             opened.close()
 
 
-def rng_state() -> dict:
-    """The RNG states a single-process Trainer saves in rng_state.pth, in its layout."""
+def rng_state(distributed: bool = False) -> dict:
+    """The RNG states a Trainer saves in rng_state.pth (rng_state_<rank>.pth in a distributed
+    run, with every CUDA device's state), in its layout."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.random.get_rng_state()
+        state["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
     return state
+
+
+def _ranks_rng_states(args: TrainingArguments) -> list[dict] | None:
+    """Every rank's RNG states in rank order, on the main process of a distributed run (each
+    rank's Trainer restores its own file, rng_state_<rank>.pth); None in one process, and on
+    the other ranks, which only send theirs. Every rank calls this (a collective). Saving rank
+    0's alone left every rank's random streams unrestored on resume (the Trainer looked for
+    rng_state_<rank>.pth, found none, and said so only at info level: audit of stop 33)."""
+    if args.world_size <= 1 or args.parallel_mode != ParallelMode.DISTRIBUTED \
+            or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    states = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    # (pickled between this job's own processes, as torch.distributed sends objects; stored as values)
+    torch.distributed.gather_object(rng_state(distributed=True), states, dst=0)
+    return states
 
 
 def _metrics(state) -> dict:
@@ -89,13 +109,17 @@ class CasCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None,
                 optimizer=None, lr_scheduler=None, **kwargs) -> None:
+        ranks = _ranks_rng_states(args)  # every rank takes part
         if not state.is_world_process_zero:
             return
         if model is None or optimizer is None:
             raise CasError("the Trainer passed no model or optimizer to on_save; cannot store the checkpoint")
-        self.store.save({"model": model, "optimizer": optimizer, "scheduler": lr_scheduler, "rng": rng_state(),
-                         "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)},
-                        step=state.global_step, metrics=_metrics(state), replace=True)
+        saved = {"model": model, "optimizer": optimizer, "scheduler": lr_scheduler,
+                 "rng": ranks[0] if ranks else rng_state(),
+                 "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+        if ranks:
+            saved[RANKS_RNG] = ranks
+        self.store.save(saved, step=state.global_step, metrics=_metrics(state), replace=True)
         if not self.keep_folders:
             self._remove_folders(args, state)
 
@@ -127,6 +151,8 @@ def checkpoint_folder(store: str | os.PathLike | CheckpointStore, folder: str, s
     if state.get("scheduler") is not None:
         torch.save(state["scheduler"], os.path.join(folder, SCHEDULER_FILE))
     torch.save(state["rng"], os.path.join(folder, RNG_FILE))
+    for rank, rng in enumerate(state.get(RANKS_RNG) or []):  # a distributed run's: each rank reads its own
+        torch.save(rng, os.path.join(folder, RANK_RNG_FILE.format(rank)))
     with open(os.path.join(folder, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
         f.write(state["trainer_state"])
     return folder

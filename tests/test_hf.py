@@ -121,3 +121,63 @@ def test_a_callback_handed_a_path_opens_the_store_as_cas_open_does(tmp_path):
     callback = CasCallback(tmp_path / "store", retention=cas.Retention(keep_last=1))
     assert isinstance(callback.store, cas.Store) and callback.store.retention == cas.Retention(keep_last=1)
     callback.store.close()
+
+
+HF_DDP_WORKER = r'''
+import json, os, sys
+import torch, torch.distributed as dist, transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from cas.store.hf import CasCallback, resume
+
+role, work = sys.argv[1], sys.argv[2]
+transformers.set_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                   resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3))  # dropout draws random numbers
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (200, 12), generator=g)]
+args = TrainingArguments(output_dir=os.path.join(work, role), max_steps=14, per_device_train_batch_size=4,
+                         save_steps=5, logging_steps=1, report_to=[], learning_rate=1e-3, seed=0, data_seed=0,
+                         use_cpu=True, disable_tqdm=True, ddp_backend="gloo", save_strategy="steps")
+
+class Stop(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == 12:
+            control.should_training_stop = True
+
+callbacks = [CasCallback(os.path.join(work, "store")), Stop()] if role == "first" else []
+trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+if role == "first":
+    trainer.train()
+else:
+    resume(trainer, os.path.join(work, "store"), step=10)
+losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+with open(os.path.join(work, f"{role}-{dist.get_rank()}.json"), "w") as f:
+    json.dump(losses, f)
+'''
+
+
+def test_a_data_parallel_run_resumes_every_ranks_random_streams(tmp_path):
+    """Under DDP the callback saved rank 0's RNG states alone, as rng_state.pth; each rank's
+    Trainer looks for rng_state_<rank>.pth, found none and said so only at info level, so a
+    model with dropout resumed on other random streams than it trained on (audit of stop 33).
+    Two gloo processes train a GPT-2 with dropout to step 12, saving at 5 and 10; a resume from
+    10 must repeat the losses of steps 11 and 12 exactly on every rank."""
+    import json
+    import subprocess
+    import sys
+
+    from s3server import free_ports
+
+    script = tmp_path / "worker.py"
+    script.write_text(HF_DDP_WORKER)
+    for role in ("first", "resumed"):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 f"--master_port={free_ports(1)[0]}", str(script), role, str(tmp_path)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    with cas.open(tmp_path / "store") as store:
+        assert len(store.load(10)["rng_ranks"]) == 2
+    first = json.loads((tmp_path / "first-0.json").read_text())
+    resumed = json.loads((tmp_path / "resumed-0.json").read_text())
+    assert [resumed[s] for s in ("11", "12")] == [first[s] for s in ("11", "12")]
+    assert "13" in resumed
