@@ -24,7 +24,7 @@ from cas.hashing import KEY_SIZE, PLAIN, Namer
 from . import tensors as T
 from .lazytorch import torch
 from .values import (MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
-                     too_deep, unpack)
+                     set_order, too_deep, unpack)
 
 MANIFEST_FORMAT = 1
 MAX_DIMS = 64
@@ -109,6 +109,17 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
             inner = _inner_level(value, level, path)
             out = kind(walk(v, path_join(path, i), inner) for i, v in enumerate(value))
             return _wrap(out, out)
+        if kind in (set, frozenset):  # of plain values only: a tensor has no place in one
+            inner = _inner_level(value, level, path)
+            held = len(leaves)
+            out = kind(walk(v, path_join(path, i), inner) for i, v in enumerate(set_order(value)))
+            if len(leaves) != held:
+                raise TypeError(f"cannot store a tensor or array inside a {kind.__name__} at {_where(path)}")
+            return out
+        if isinstance(value, torch.dtype):
+            if value not in T.torch_dtype_names():
+                raise TypeError(f"cannot store the torch dtype {value} at {_where(path)}")
+            return value
         raise TypeError(f"cannot store a value of type {kind.__module__}.{kind.__qualname__} at {_where(path)}")
 
     def add_tensor(t: torch.Tensor, path: str) -> TensorLeaf:

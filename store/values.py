@@ -3,7 +3,7 @@
 msgpack keeps None, bool, int (64-bit), float (as float64, so NaN, inf and -0.0 are exact),
 str, bytes, lists and maps (with str and int keys, in order). Extension types carry what it
 would lose: tuples, OrderedDicts (with a state dict's `_metadata`), integers beyond 64 bits,
-numpy scalars, and references to child nodes. Decoding is bounded: nesting depth and sizes
+numpy scalars, sets and frozensets, torch dtypes (by name), and references to child nodes. Decoding is bounded: nesting depth and sizes
 are limited, and anything malformed is a CorruptionError.
 """
 
@@ -23,6 +23,9 @@ EXT_TUPLE = 2  # packed array
 EXT_BIGINT = 3  # signed big-endian two's complement
 EXT_NPSCALAR = 4  # packed [dtype str, raw bytes]
 EXT_ODICT = 5  # packed [[key, value]...] pairs, then the `_metadata` value or nil
+EXT_TORCH_DTYPE = 6  # a torch dtype's name (store/tensors.py TORCH_DTYPE_LAYOUT), UTF-8
+EXT_SET = 7  # packed array of the elements, in a fixed order (set_order)
+EXT_FROZENSET = 8  # the same, for a frozenset
 # msgpack levels one node may nest: the node itself is level 1, and every value that opens a
 # level (`opens_level`) puts what it holds one level deeper. Decoding refuses a deeper node; the
 # planner counts the same way (and counts lists and dicts too), so a state it accepts loads.
@@ -47,8 +50,14 @@ class _Depth:
 
 def opens_level(value) -> bool:
     """Whether decoding `value` unpacks a msgpack payload of its own, one level deeper: the
-    extension types whose payload is packed msgpack (tuples, OrderedDicts, numpy scalars)."""
-    return isinstance(value, (tuple, OrderedDict, np.generic))
+    extension types whose payload is packed msgpack (tuples, OrderedDicts, numpy scalars, sets)."""
+    return isinstance(value, (tuple, OrderedDict, np.generic, set, frozenset))
+
+
+def set_order(items) -> list:
+    """A set's elements in an order that does not depend on the process (str hashes are salted
+    per process), so the same set always packs to the same bytes."""
+    return sorted(items, key=lambda v: (type(v).__name__, repr(v)))
 
 
 def too_deep(level: int) -> bool:
@@ -102,6 +111,12 @@ def _default(obj):
         return msgpack.ExtType(EXT_BIGINT, n.to_bytes(size, "big", signed=True))
     if isinstance(obj, np.generic):
         return msgpack.ExtType(EXT_NPSCALAR, pack([obj.dtype.str, obj.tobytes()]))
+    if isinstance(obj, (set, frozenset)):
+        return msgpack.ExtType(EXT_SET if isinstance(obj, set) else EXT_FROZENSET, pack(set_order(obj)))
+    if type(obj).__name__ == "dtype" and type(obj).__module__ == "torch":  # (no torch import to ask)
+        from .tensors import torch_dtype_names
+
+        return msgpack.ExtType(EXT_TORCH_DTYPE, torch_dtype_names()[obj].encode())
     if isinstance(obj, dict):  # strict_types sends dict subclasses here; the builder refused others
         return dict(obj)
     raise TypeError(f"cannot encode {type(obj).__name__}")
@@ -164,6 +179,17 @@ def _ext(code: int, payload: bytes, depth: _Depth):
         if dtype.itemsize != len(body[1]):
             raise CorruptionError(f"numpy scalar of {body[0]} holds {len(body[1])} bytes")
         return np.frombuffer(body[1], dtype=dtype)[0]
+    if code in (EXT_SET, EXT_FROZENSET):
+        items = _unpack(payload, depth)
+        if not isinstance(items, list):
+            raise CorruptionError("set extension does not hold an array")
+        return set(items) if code == EXT_SET else frozenset(items)  # an unhashable element: TypeError, damage
+    if code == EXT_TORCH_DTYPE:
+        from .tensors import torch_dtype, torch_layout
+
+        name = payload.decode()
+        torch_layout(name)  # a name we store tensors of (checked without torch), else CorruptionError
+        return torch_dtype(name)  # (imports torch: only a node holding a dtype value does)
     raise CorruptionError(f"unknown value extension type {code}")
 
 

@@ -70,6 +70,10 @@ def test_manifest_reader_raises_our_errors_on_anything_malformed(data):
     msgpack.packb(msgpack.ExtType(3, b"\x01" * 100_000)),  # an absurd big integer
     msgpack.packb(msgpack.ExtType(99, b"")),  # unknown extension
     msgpack.packb(msgpack.ExtType(1, b"short")),  # a reference of the wrong length
+    msgpack.packb(msgpack.ExtType(7, msgpack.packb([[1, 2]]))),  # a set holding a list (unhashable)
+    msgpack.packb(msgpack.ExtType(8, msgpack.packb({"a": 1}))),  # a frozenset that is no array
+    msgpack.packb(msgpack.ExtType(6, b"os.system")),  # a torch dtype name that is none
+    msgpack.packb(msgpack.ExtType(6, b"\xff\xfe")),  # not UTF-8
 ])
 def test_msgpack_bombs_are_refused(bomb):
     with pytest.raises(CorruptionError):

@@ -103,6 +103,29 @@ def test_resume_from_the_store_matches_an_uninterrupted_run(tmp_path):
     io.close()
 
 
+class WithHparams(Tiny):
+    def __init__(self, lr: float = 0.05, precision=torch.bfloat16, tags=frozenset({"a", "b"}), seen=None) -> None:
+        super().__init__(lr)
+        self.save_hyperparameters()
+
+
+def test_hyperparameters_holding_a_dtype_or_a_set_are_saved_and_resumed(tmp_path):
+    """`save_hyperparameters()` with a torch dtype (a precision setting) or a set killed
+    Trainer.fit at its first checkpoint (TypeError: cannot store torch.dtype), losing the
+    training before it; Lightning's own files hold them. Both are values a checkpoint holds now."""
+    io = CasCheckpointIO(tmp_path / "store")
+    torch.manual_seed(0)
+    model = WithHparams(seen={"x", "y"})
+    trainer(1, io, dirpath=tmp_path / "ckpt", save_last=True).fit(model, loader())
+    hparams = io.store.load(4)["hyper_parameters"]
+    assert hparams["precision"] is torch.bfloat16 and hparams["tags"] == frozenset({"a", "b"})
+    assert hparams["seen"] == {"x", "y"} and type(hparams["seen"]) is set
+    resumed = WithHparams.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert resumed.hparams.precision is torch.bfloat16 and resumed.hparams.seen == {"x", "y"}
+    assert_same(weights(resumed), weights(model))
+    io.close()
+
+
 def test_a_run_folder_moved_or_renamed_resumes_its_own_checkpoints(tmp_path):
     """Markers held the store's absolute path, and a load opened that store rather than the
     plugin's: a run renamed to exp_old, with another run then trained in exp, resumed from the

@@ -61,7 +61,11 @@ arrays = st.builds(make_array, st.sampled_from(NUMPY_DTYPES), shapes, st.integer
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
 scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
            | texts | st.binary(max_size=30)
-           | st.sampled_from([np.float32(1.5), np.int64(-7), np.bool_(True), np.float64("nan"), np.uint8(200)]))
+           | st.sampled_from([np.float32(1.5), np.int64(-7), np.bool_(True), np.float64("nan"), np.uint8(200)])
+           | st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn, torch.bool]))
+hashables = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | texts | st.binary(max_size=10)
+             | st.tuples(texts, st.integers()))  # (no floats: a NaN in a set equals no copy of itself)
+scalars = scalars | st.sets(hashables, max_size=4) | st.frozensets(hashables | st.frozensets(texts), max_size=4)
 keys = texts | st.integers(-(2**63), 2**63 - 1)
 leaves = tensors | arrays | scalars
 states = st.recursive(
