@@ -300,16 +300,21 @@ with cas.open(url, cache_dir=cache, chunk_size=64 << 10) as store:
             print("refused", step, exc, flush=True)
 """
 GC_LOOP = """
-import sys, time, cas
+import os, sys, time, cas
+# gc(keep_last=3) in a loop until the savers are done (the flag file exists), then once more: a
+# loop of fixed length ran out before a loaded machine's savers had committed enough to remove
 with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
-    deadline = time.monotonic() + float(sys.argv[3])
-    while time.monotonic() < deadline:
+    while True:
+        final = os.path.exists(sys.argv[3])
         try:
             report = store.gc(keep_last=3)
         except cas.CasError as exc:  # giving up under contention is allowed (nothing committed); losing is not
             print("gave-up", exc, flush=True)
             continue
         print("gc", report.packs_removed, report.deferred, flush=True)
+        if final:
+            break
+        time.sleep(0.1)
 """
 
 
@@ -320,8 +325,10 @@ def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypa
     monkeypatch.setenv("CAS_S3_LEASE_TTL", "3")
     savers = [spawn(RACER, s3_url, tmp_path / f"cache-{n}", first, 12, seed) for n, first, seed in
               (("a", 0, 1), ("b", 1, 2))]
-    gc = spawn(GC_LOOP, s3_url, tmp_path / "cache-gc", 12)
+    done = tmp_path / "savers-done"
+    gc = spawn(GC_LOOP, s3_url, tmp_path / "cache-gc", done)
     outs = [p.communicate(timeout=300) for p in savers]
+    done.touch()
     gc_out, gc_err = gc.communicate(timeout=300)
     assert all(p.returncode == 0 for p in savers + [gc]), [o[1][-2000:] for o in outs] + [gc_err[-2000:]]
     committed = {int(line.split()[1]) for out, _ in outs for line in out.splitlines() if line.startswith("committed")}
