@@ -24,12 +24,14 @@ import msgpack
 from . import faults
 from .errors import (CasError, CorruptionError, DuplicateKeyError, KeyFileError, KeyRemovalRefusedError,
                      KeyRequiredError, WrongKeyError)
+from .bitrot import claims_a_digest, proves_itself, undo_own_error, with_digest
 from .hashing import KEY_SIZE, Namer
 
 KEYS_PREFIX = "keys/"
 # removing-keys/<id>: an empty blob created before keys/<id> is deleted (remove_key says why)
 REMOVING_PREFIX = "removing-keys/"
 KEY_MAGIC = b"cas-key\n"
+MAX_KEY_BLOB = 4096  # a key blob is about 200 bytes; larger is no blob to mend
 AEAD_NAME = "aes-256-gcm"
 NAMING = "blake3-keyed"
 # scrypt: 2^17 x 8 x 128 bytes = 128 MiB and about 0.4 s per key tried (restic-like strength).
@@ -148,6 +150,7 @@ class StoreKeys:
     master: bytes
     key_id: str  # the keys/ blob that opened the store
     user: tuple[str, bytes]  # ("passphrase" | "raw", bytes): to create copies (push) openable alike
+    mended: bool = False  # that blob was read as written: one bit or byte of it is damaged (verify says so)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_blob", _hkdf(self.master, b"cas blobs v1"))
@@ -233,18 +236,31 @@ def key_blob(store_id: str, key_id: str, master: bytes, user: tuple[str, bytes])
     nonce = os.urandom(12)
     body.update(aead=AEAD_NAME, nonce=nonce, wrapped=aead_cipher(kek).encrypt(nonce, master, _key_aad(store_id, key_id)),
                 created=time.time())
-    return KEY_MAGIC + msgpack.packb(body, use_bin_type=True)
+    return with_digest(KEY_MAGIC, body)  # one damaged byte of it is undone, not a store lost
 
 
-def _parse_key(data) -> dict | None:
+def _parse_key(data) -> tuple[dict | None, bool]:
+    """(the key blob's fields or None when it is not one, whether it was read as written: a blob
+    that ends with its digest (since stop 33) and is one bit or byte from it is mended, since
+    with one key per store, one damaged byte of its blob locked the store for good)."""
     data = bytes(data)
+    body = _key_fields(data)
+    if body is not None or len(data) > MAX_KEY_BLOB:
+        return body, False
+    written = undo_own_error(data, KEY_MAGIC)
+    return (_key_fields(written), True) if written is not None else (None, False)
+
+
+def _key_fields(data: bytes) -> dict | None:
     if not data.startswith(KEY_MAGIC):
         return None
     try:
         body = msgpack.unpackb(data[len(KEY_MAGIC):], raw=False)
-        return body if isinstance(body, dict) and body.get("format") == 1 and "wrapped" in body else None
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
+    if claims_a_digest(body) and not proves_itself(data):
+        return None
+    return body if isinstance(body, dict) and body.get("format") == 1 and "wrapped" in body else None
 
 
 def key_ids(backend) -> list[str]:
@@ -274,7 +290,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
     tried_kdf: dict[tuple, bytes] = {}
     for key_id in ids:
         try:
-            body = _parse_key(backend.get(KEYS_PREFIX + key_id))
+            body, mended = _parse_key(backend.get(KEYS_PREFIX + key_id))
         except CorruptionError:  # removed meanwhile, unreadable: another key may open it
             continue
         if body is None:
@@ -291,7 +307,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         except (invalid_tag(), KeyError, TypeError, ValueError):
             continue
         if len(master) == KEY_SIZE and secrets.compare_digest(check_of(master), check):
-            return StoreKeys(master, key_id, user)
+            return StoreKeys(master, key_id, user, mended)
     raise WrongKeyError(f"the key given does not open the encrypted store at {where}: it is wrong, or it was "
                         f"removed (cas key remove); the store has {len(ids)} key(s)")
 

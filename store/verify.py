@@ -77,13 +77,20 @@ class VerifyReport:
 
 def config_problems(store) -> list[Problem]:
     """The config read as written though its bytes are damaged (one bit or byte, proven by the
-    digest it ends with: store/layout.py), while they still are."""
+    digest it ends with: store/layout.py), while they still are; and so the key blob that opened
+    an encrypted store."""
+    out = []
     written = store.config.written
-    if written is None or bytes(store.backend.get("config")) == written:
-        return []
-    fix = "`cas repair` writes it back" if store.location.local else "cas does not rewrite a bucket's config"
-    return [Problem(None, None, None, f"the store's config is damaged (one bit or byte); it is read as written, which "
-                                      f"the digest it ends with proves; {fix}")]
+    if written is not None and bytes(store.backend.get("config")) != written:
+        fix = "`cas repair` writes it back" if store.location.local else "cas does not rewrite a bucket's config"
+        out.append(Problem(None, None, None, f"the store's config is damaged (one bit or byte); it is read as written, "
+                                             f"which the digest it ends with proves; {fix}"))
+    keys = store.location.keys
+    if keys is not None and keys.mended:
+        out.append(Problem(None, None, None, f"the key blob keys/{keys.key_id} that opened the store is damaged (one "
+                                             "bit or byte); it is read as written, which the digest it ends with "
+                                             f"proves; `cas key add` a key, then with it `cas key remove {keys.key_id}`"))
+    return out
 
 
 def registry_problems(store) -> list[Problem]:
