@@ -27,6 +27,7 @@ from itertools import accumulate
 from typing import Iterable, Iterator
 
 from .backend import Buffer, Staged
+from .bitrot import first_fix
 from .buffers import POOL as _POOL
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
@@ -44,6 +45,10 @@ _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the 
 
 
 # --- the encrypted backend -------------------------------------------------------------------
+MENDED_PREFIXES = ("log/",)  # small sealed blobs whose one damaged bit or byte a read undoes
+MAX_MENDED = 4096  # sealed bytes searched (a log entry is about 600); each try is one AES-GCM pass
+
+
 def plain_blob(name: str) -> bool:
     """Blobs kept readable without the master key: they hold no user data (the config, the
     wrapped keys, writers' leases: pid, host, start time, purpose)."""
@@ -94,6 +99,9 @@ class EncryptedBackend:
         self.namer = keys.namer
         self.capabilities = inner.capabilities
         self._salts: dict[str, tuple[bytes, bytes]] = {}  # blob name -> (salt, aad), for ranged reads (bounded)
+        # small blobs (MENDED_PREFIXES) read as sealed: one bit or byte of their stored bytes is
+        # damaged, and the AEAD tags proved which (cas/bitrot.py); name -> the sealed bytes as written
+        self.mended: dict[str, bytes] = {}
         # Packs stream, sealed as they are written, where the inner backend streams and the
         # store's scheme has streamed blobs (version 2); else they are gathered and sealed whole
         # (cas/packs.py PackFiles.stream asks for this attribute).
@@ -227,10 +235,19 @@ class EncryptedBackend:
                 return memoryview(held[-1])
             try:
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
-                sealing = self._salt(name, sealed)
+                if name in self.mended and bytes(sealed) != self.mended[name]:
+                    sealed = self.mended[name]
                 size = plain_size(len(sealed))
                 out = buffer(max(size, 1))[:size] if buffer is not None else bytearray(size)
-                self._open_segments(name, sealing, memoryview(sealed)[HEADER:], 0, memoryview(out), whole=True)
+                try:
+                    self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
+                                        memoryview(out), whole=True)
+                except CorruptionError:
+                    written = self._mend(name, bytes(sealed))
+                    if written is None:
+                        raise
+                    self._open_segments(name, self._salt(name, written), memoryview(written)[HEADER:], 0,
+                                        memoryview(out), whole=True)
             finally:
                 for one in held:
                     _POOL.give(one)
@@ -241,6 +258,30 @@ class EncryptedBackend:
                 raise BlobAbsentError(f"{name} is missing from {self.inner.where(name)}")
             length = max(size - start, 0)
         return self._ranged(name, start, length, buffer)
+
+    def _mend(self, name: str, sealed: bytes) -> bytes | None:
+        """The sealed bytes as written of a small blob (a log entry) one bit or byte from
+        `sealed`, proven by every segment's AEAD tag; None for any other damage or blob."""
+        if not name.startswith(MENDED_PREFIXES) or len(sealed) > MAX_MENDED:
+            return None
+
+        def opens(candidate) -> bool:
+            out = memoryview(bytearray(plain_size(len(candidate))))
+            try:
+                self._open_segments(name, self._salt(name, bytes(candidate)), memoryview(candidate)[HEADER:], 0, out,
+                                    whole=True)
+                return True
+            except CorruptionError:
+                return False
+        written = first_fix(sealed, opens)
+        self._salts.pop(name, None)  # (the candidates' salts)
+        if written is not None:
+            self.mended[name] = written
+        return written
+
+    def still_mended(self, name: str) -> bool:
+        """Whether `name` is read as written while its stored bytes are still the damaged ones."""
+        return name in self.mended and bytes(self.inner.get(name)) != self.mended[name]
 
     def _ranged(self, name: str, start: int, length: int, buffer: Buffer | None = None):
         """Plain bytes [start, start + length) of a blob: its covering segments decrypted

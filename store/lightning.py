@@ -65,7 +65,7 @@ from fsspec.spec import AbstractFileSystem
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from cas import fsutil
-from cas.errors import CasError, CheckpointNotFoundError
+from cas.errors import CasError, CheckpointNotFoundError, StoreKeyError
 
 from .opening import given_or_opened, open_named
 from .registry import Checkpoint
@@ -239,13 +239,16 @@ def _marked(marker: Marker, where: str, opened: CheckpointStore | None) -> Itera
     replaced it at its step in the store it names (marked_checkpoint). A marker moved or
     copied elsewhere never stands for another run's checkpoint that lists its old path (a
     renamed run resumed from the run that then took over its old folder, with no error)."""
-    tried = []
+    tried, locked = [], None
     for path in _stores_to_try(marker, where, opened):
         store = opened if opened is not None and path == opened.path else None
         owned = store is None
         if owned:
             try:
                 store = open_named(path, create=False, readonly=True)  # an encrypted one: $CAS_KEY_FILE's key
+            except StoreKeyError as exc:  # a store there that this process has no key for: say that
+                locked = locked or exc
+                continue
             except CasError as exc:
                 tried.append(f"{path} ({exc})")
                 continue
@@ -260,6 +263,8 @@ def _marked(marker: Marker, where: str, opened: CheckpointStore | None) -> Itera
         finally:
             if owned:
                 store.close()
+    if locked is not None:
+        raise locked
     raise CheckpointNotFoundError(
         f"the marker {where} names checkpoint {marker.id[:12]} at step {marker.step} of the store at {marker.store}, "
         f"which no store holds any more (tried: {'; '.join(tried)}): deleted, by retention or `cas rm`, or replaced")

@@ -184,7 +184,8 @@ class RecordLog:
         return entry
 
     def still_damaged(self) -> list[int]:
-        """The mended entries whose stored bytes are still the damaged ones (not yet healed)."""
+        """The mended entries whose stored bytes are still the damaged ones (not yet healed):
+        mended here, or, in an encrypted store, by the backend from their sealed bytes."""
         out = []
         for seq, original in sorted(self.mended.items()):
             try:
@@ -192,16 +193,23 @@ class RecordLog:
                     out.append(seq)
             except MissingObjectError:
                 continue
-        return out
+        sealed = getattr(self.backend, "still_mended", None)
+        if sealed is not None:
+            out += [s for s in map(name_seq, list(self.backend.mended)) if s is not None and s not in out
+                    and sealed(entry_name(s))]
+        return sorted(out)
 
     def heal(self) -> list[int]:
         """Write the mended entries back as they were written, the damaged bytes first kept in
-        quarantine/log-<seq>-<their hash>; the seqs healed."""
+        quarantine/log-<seq>-<their hash> (an encrypted store's entry is sealed again)."""
         healed = []
         for seq in self.still_damaged():
-            damaged = bytes(self.backend.get(entry_name(seq)))
-            self.backend.put_if_absent(f"quarantine/log-{seq:016x}-{hash_bytes(damaged).hex()[:16]}", [damaged])
-            self.backend.replace(self.backend.stage(entry_name(seq), [self.mended[seq]], fsync=True))
+            name = entry_name(seq)
+            inner = getattr(self.backend, "inner", self.backend)
+            damaged = bytes(inner.get(name))
+            inner.put_if_absent(f"quarantine/log-{seq:016x}-{hash_bytes(damaged).hex()[:16]}", [damaged])
+            self.backend.replace(self.backend.stage(name, [self.raw(seq)], fsync=True))
+            getattr(self.backend, "mended", {}).pop(name, None)
             healed.append(seq)
         return healed
 
