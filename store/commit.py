@@ -56,20 +56,22 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
     faults.point(fault)
 
     def finish(txn) -> Checkpoint:
-        old = store.registry.get(txn, record.step) if replacing else None
-        changes = []
-        if old is not None:
-            if old.pinned:
-                raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
-            changes.append(remove_change(old))
         ck = dataclasses.replace(record.checkpoint(commit_key, session.new_bytes),
                                  provenance={**provenance.collect(), **record.produced_by})
         change = add_change(ck, session.packs_written())
         if store.signing_key is not None:
             change["signature"] = signing.sign(change, store.signing_key)
-        changes.append(change)
-        seq = store.registry.commit(txn, "replace" if old is not None else "save", changes,
-                                    check=session.check_nothing_lost)
+
+        def plan(txn) -> list[dict]:  # the checkpoint it replaces, as the registry stands at each try
+            old = store.registry.get(txn, record.step) if replacing else None
+            if old is None:
+                return [change]
+            if old.pinned:
+                raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
+            return [remove_change(old), change]
+
+        why = "replace" if replacing and store.registry.get(txn, record.step) is not None else "save"
+        seq = store.registry.commit(txn, why, plan, check=session.check_nothing_lost)
         return dataclasses.replace(ck, seq=seq)
 
     return store.commit_session(session, finish)

@@ -341,22 +341,30 @@ class Registry:
         return None
 
     # --- changes ----------------------------------------------------------------------
-    def commit(self, txn, why: str, changes: list[dict], *, gc: dict | None = None,
-               check: Callable[[object], None] | None = None) -> int:
+    def commit(self, txn, why: str, changes: list[dict] | Callable[[object], list[dict]], *,
+               gc: dict | None = None, check: Callable[[object], None] | None = None) -> int:
         """Append `changes` (and a gc step, `gc`) to the log as one entry and apply them to the
-        cache, all in the caller's write transaction; returns the entry's seq. A change that
-        does not apply (a step that exists, a checkpoint that is gone) raises and writes nothing.
-        When another cache appended first, this one catches up with the log and, before trying
-        the next entry, runs `check(txn)`, which raises if what the change relies on is gone
-        (a gc on another host deleted it)."""
+        cache, all in the caller's write transaction; returns the entry's seq (0: nothing to
+        commit). A change that does not apply (a step that exists, a checkpoint that is gone)
+        raises and writes nothing. When another cache appended first, this one catches up with
+        the log and, before trying the next entry, runs `check(txn)`, which raises if what the
+        change relies on is gone (a gc on another host deleted it). `changes` may be a function
+        of the transaction, planned again on the registry as it stands before each try: a
+        decision about flags (a removal refused while pinned, retention's choice) must see a
+        pin or milestone another host committed meanwhile (in a bucket, a gc removed a
+        checkpoint another host had just pinned: audit of stop 33)."""
         if self.log is None:
             raise CasError(f"the store at {self.store_root} has format 1; open it writable once to upgrade it")
         for _ in range(APPEND_ATTEMPTS):
             seq, prev = self.head(txn)
+            planned = changes(txn) if callable(changes) else changes
+            if not planned and gc is None:
+                return 0
+            faults.point("registry.planned")  # another host may append first: this try then fails, and plans again
             try:
                 with self.index.nested(txn) as child:  # undone unless the entry is created
-                    self.apply(child, seq + 1, changes)
-                    entry = self.log.append(seq + 1, prev, why, changes, gc)
+                    self.apply(child, seq + 1, planned)
+                    entry = self.log.append(seq + 1, prev, why, planned, gc)
                     if entry is None:
                         raise _Taken()
                     faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind

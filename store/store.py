@@ -472,13 +472,18 @@ class CheckpointStore(CacheKeeping, Loading):
         ones are refused. Their objects stay until gc finds them unreferenced."""
         steps = _steps_of(steps)
         self._check_writable("delete checkpoints")
-        with self.index.write() as txn:
-            gone = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
+        self._see_other_commits()  # (committed on its own: a refusal below keeps what it caught up)
+        gone: list[Checkpoint] = []
+
+        def plan(txn) -> list[dict]:  # on the registry as it stands at each try (Registry.commit)
+            gone[:] = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
             pinned = [ck.step for ck in gone if ck.pinned]
             if pinned:
                 raise CasError(f"checkpoint(s) {pinned} are pinned (a legal hold); unpin them first")
-            if gone:
-                self.registry.commit(txn, "delete", [remove_change(ck) for ck in gone])
+            return [remove_change(ck) for ck in gone]
+
+        with self.index.write() as txn:
+            self.registry.commit(txn, "delete", plan)
             self.index.bump_generation(txn)
         return gone
 
@@ -487,12 +492,17 @@ class CheckpointStore(CacheKeeping, Loading):
         one write transaction (gc's retention: a decision on an earlier read removed a checkpoint
         made a milestone since, and failed on one another gc had removed). Pinned ones stay."""
         self._check_writable("remove checkpoints")
-        with self.index.write() as txn:
+        self._see_other_commits()
+        gone: list[Checkpoint] = []
+
+        def plan(txn) -> list[dict]:  # chosen again on the registry as it stands at each try
             cks = self.registry.all(txn)
             chosen = set(choose(cks))
-            gone = [ck for ck in cks if ck.step in chosen and not ck.pinned]
-            if gone:
-                self.registry.commit(txn, "retention", [remove_change(ck) for ck in gone])
+            gone[:] = [ck for ck in cks if ck.step in chosen and not ck.pinned]
+            return [remove_change(ck) for ck in gone]
+
+        with self.index.write() as txn:
+            if self.registry.commit(txn, "retention", plan):
                 self.index.bump_generation(txn)
         return gone
 
@@ -519,6 +529,7 @@ class CheckpointStore(CacheKeeping, Loading):
     def _update(self, step: int, why: str, **flags: bool) -> Checkpoint:
         """Change a checkpoint's flags: one record log entry, so the change outlives the cache."""
         self._check_writable(f"change checkpoint {step}")
+        self._see_other_commits()
         with self.index.write() as txn:
             ck = self.registry.require(txn, step)
             self.registry.commit(txn, why, [set_change(ck, **flags)])

@@ -342,3 +342,61 @@ def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypa
         for step, ck in present.items():
             assert_same(fresh.load(step), state(ck.meta["seed"]))
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
+def test_a_host_open_before_another_pinned_keeps_the_pin_through_gc_and_delete(s3_url, tmp_path):
+    """A host decided on its own cache as it stood: its gc removed checkpoints another host had
+    pinned or made milestones since it opened the store, and its delete() removed a pinned one
+    (audit of stop 33: data loss, every time); a gc whose checkpoint another host had removed
+    failed on every call after. Each now catches up first and plans its change again on the
+    registry as it stands at each try to append."""
+    with host(s3_url, tmp_path, "a") as a:
+        for step in range(6):
+            a.save(state(step), step=step, meta={"seed": step})
+    g = host(s3_url, tmp_path, "g")  # open, its cache as of step 5
+    with host(s3_url, tmp_path, "b") as b:
+        b.pin(0)
+        b.set_milestone(1)
+        b.pin(4)
+    with pytest.raises(cas.CasError, match="pinned"):
+        g.delete(4)
+    report = g.gc(keep_last=2, keep_milestones=True)
+    assert sorted(ck.step for ck in report.removed) == [2, 3]
+    with host(s3_url, tmp_path, "b") as b:
+        b.delete(5)  # g's next gc would have removed it itself: its stale plan failed, every call
+    report = g.gc(keep_last=1, keep_milestones=True)
+    assert [ck.step for ck in g.checkpoints()] == [0, 1, 4] and report.removed == []
+    g.close()
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [(ck.step, ck.pinned, ck.milestone) for ck in fresh.checkpoints()] == \
+            [(0, True, False), (1, False, True), (4, True, False)]
+        for step in (0, 1, 4):
+            assert_same(fresh.load(step), state(step))
+
+
+GC_ONCE = """
+import sys, cas
+with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
+    print("removed", [ck.step for ck in store.gc(keep_last=1).removed], flush=True)
+"""
+
+
+def test_a_pin_committed_between_a_gcs_decision_and_its_append_is_kept(s3_url, tmp_path):
+    """The race the catch-up alone does not close: gc decides on a current cache, another host
+    pins a checkpoint it chose, then gc appends. Its append of that entry number fails (the pin
+    took it), it catches up, and plans again: the pinned checkpoint stays."""
+    with host(s3_url, tmp_path, "a") as a:
+        for step in range(4):
+            a.save(state(step), step=step, meta={"seed": step})
+    flag = str(tmp_path / "planned")
+    gc = spawn(GC_ONCE, s3_url, tmp_path / "cache-gc", env={"CAS_FAULTS": f"registry.planned=pause:{flag}"})
+    wait_for(flag + ".reached", gc)
+    with host(s3_url, tmp_path, "b") as b:
+        b.pin(1)
+    open(flag, "w").close()
+    out, err = gc.communicate(timeout=120)
+    assert gc.returncode == 0, err
+    assert "removed [0, 2]" in out, out
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [(ck.step, ck.pinned) for ck in fresh.checkpoints()] == [(1, True), (3, False)]
+        assert_same(fresh.load(1), state(1))
