@@ -50,6 +50,7 @@ class RebuildReport:
     snapshot: int | None = None  # the log position of the snapshot it started from, if any
     log_healed: list[int] = field(default_factory=list)  # record log entries repair wrote back as written
     config_healed: bool = False  # repair wrote the config back as written
+    log_mended: list[int] = field(default_factory=list)  # entries read as written, left as they are (a bucket's)
     salvaged: list[str] = field(default_factory=list)  # a read-only open folded around these (damaged entries)
     seconds: float = 0.0
 

@@ -20,16 +20,21 @@ RepairReport = RebuildReport
 
 
 def repair(path: str, key=None) -> RebuildReport:
-    """Rebuild the cache of the store at `path`, decoding every full object in a pack to skip
-    damaged copies (a plain open only reads headers)."""
+    """Rebuild the cache of the store at `path` (a folder, or a bucket URL: this host's cache of
+    it), decoding every full object in a pack to skip damaged copies (a plain open only reads
+    headers), and write back the log entries and config it read as written."""
+    from .location import locate
     from .store import CheckpointStore  # the store opens its cache, upgrading a format-1 store
 
-    layout = L.Layout(os.path.abspath(path))
-    L.read_config(layout)  # only a store is repaired: never create one here
+    where = locate(path)
+    where.read_config()  # only a store is repaired: never create one here
     with CheckpointStore(path, create=False, key=key) as store:
         report = store.cache_report
         with store.index.write() as txn:
             rebuild(store, txn, report, check=True)
-        report.log_healed = store.records.heal()  # the entries the rebuild read as written, written back
-        report.config_healed = L.heal_config(layout, store.config)
+        if where.local:  # the entries and config read as written, written back (a bucket's blobs never are)
+            report.log_healed = store.records.heal()
+            report.config_healed = L.heal_config(L.Layout(os.path.abspath(where.name)), store.config)
+        else:
+            report.log_mended = store.records.still_damaged()
     return report

@@ -112,8 +112,9 @@ def registry_problems(store) -> list[Problem]:
         truth = fold_records(store.records.entries(), store.path, upto=head)
     except CorruptionError as exc:
         return [Problem(exc.key, None, None, f"the record log is damaged: {exc.detail}")]
+    fix = "`cas repair` writes it back" if store.location.local else "cas does not rewrite a bucket's blobs"
     out = [Problem(None, None, None, f"record log entry {entry_name(seq)} is damaged (one bit or byte); it is read as "
-                                      "written, which the digest the store holds of it proves; `cas repair` writes it back")
+                                      f"written, which the digest the store holds of it proves; {fix}")
            for seq in store.records.still_damaged()]
     for step in sorted(cached.keys() | truth.keys()):
         mine, theirs = cached.get(step), truth.get(step)

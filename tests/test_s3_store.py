@@ -232,6 +232,38 @@ def test_the_cli_on_a_bucket_store(s3_url, tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_cas_repair_takes_a_bucket_url_and_reads_a_damaged_log_entry_as_written(s3_url, tmp_path):
+    """`cas repair` looked for a local folder named like the URL (`<cwd>/s3:/bucket/x`), so a
+    bucket store could be verified but never repaired (audit of stop 33). It now rebuilds this
+    host's cache of the store; a log entry one byte from its digest is read as written and
+    named (cas never rewrites a bucket's blobs in place)."""
+    import os
+    import subprocess
+    import sys
+
+    from cas.store.records import entry_name
+
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(state(1), step=1)
+        store.save(state(2), step=2)
+        backend = store.backend
+    damaged = bytearray(backend.get(entry_name(1)))
+    damaged[40] ^= 0x08
+    backend.delete(entry_name(1))
+    assert backend.put_if_absent(entry_name(1), [bytes(damaged)])
+    env = dict(os.environ, CAS_CACHE_DIR=str(tmp_path / "cli-cache"))
+    result = subprocess.run([sys.executable, "-m", "cas.cli", "--store", s3_url, "repair"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "not quarantined" in result.stdout and "record log entry 1 has one damaged" in result.stdout, result.stdout
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [1, 2]
+        assert_same(fresh.load(1), state(1))
+        assert [p.message for p in fresh.verify().problems] == [
+            "record log entry log/0000000000000001 is damaged (one bit or byte); it is read as written, which the "
+            "digest the store holds of it proves; cas does not rewrite a bucket's blobs"]
+
+
 def test_a_save_through_slowdowns_and_resets_commits_and_loads(s3_server, s3_bucket, s3_prefix, monkeypatch, tmp_path):
     from s3server import point_env_at
     from tcpfault import FaultProxy

@@ -318,8 +318,15 @@ def cmd_gc(store, args) -> int:
 def cmd_repair(path: str, args) -> int:
     from cas.store.repair import repair
 
+    from cas.store.location import parse_target
+
     # (no key= given: an encrypted store is opened with $CAS_KEY_FILE's key, a plain one ignores it)
-    _quarantine(path)  # first: the rebuild indexes every file whose header parses, damaged payload or not
+    kind, where = parse_target(path)
+    if kind == "local":
+        _quarantine(where)  # first: the rebuild indexes every file whose header parses, damaged payload or not
+    else:
+        print("objects in a bucket are not quarantined (`cas verify` names damaged ones); rebuilding this host's "
+              "cache of the store")
     report = repair(path)
     if report.moved_aside:
         print(f"the damaged index was moved to {report.moved_aside}")
@@ -331,6 +338,9 @@ def cmd_repair(path: str, args) -> int:
     for seq in report.log_healed:
         print(f"record log entry {seq} had one damaged bit or byte: written back as it was written "
               "(the damaged copy is in quarantine/)")
+    for seq in report.log_mended:
+        print(f"record log entry {seq} has one damaged bit or byte: read as it was written (cas does not rewrite "
+              "a bucket's blobs)")
     print(f"rebuilt: {report.objects} objects in {report.packs} packs and object files; "
           f"{len(report.checkpoints)} checkpoints {report.checkpoints}")
     print("run `cas verify` to check every checkpoint")
