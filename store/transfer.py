@@ -47,6 +47,7 @@ class TransferReport:
     destination: str
     copied: list[Checkpoint] = field(default_factory=list)
     already_there: list[Checkpoint] = field(default_factory=list)
+    removed_meanwhile: list[Checkpoint] = field(default_factory=list)  # the source's gc removed them mid-copy
     objects_copied: int = 0
     objects_skipped: int = 0  # nodes and chunks the destination held (their chains are its own)
     bytes_copied: int = 0
@@ -55,6 +56,7 @@ class TransferReport:
         return {"source": self.source, "destination": self.destination,
                 "copied": [ck.to_json() for ck in self.copied],
                 "already_there": [ck.to_json() for ck in self.already_there],
+                "removed_meanwhile": [ck.to_json() for ck in self.removed_meanwhile],
                 "objects_copied": self.objects_copied, "objects_skipped": self.objects_skipped,
                 "bytes_copied": self.bytes_copied}
 
@@ -99,11 +101,31 @@ def copy_checkpoints(src: "CheckpointStore", dst: "CheckpointStore", steps=None,
     visited: set[bytes] = set()  # nodes walked (and so copied or found) by this transfer
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-copy") as pool:
         for n, ck in enumerate(todo):
-            committed, fresh = _Copier(src, dst, pool, window, report).copy(ck, visited, why)
+            walked = set(visited)
+            try:
+                committed, fresh = _Copier(src, dst, pool, window, report).copy(ck, visited, why)
+            except CorruptionError:
+                if _still_committed(src, ck):
+                    raise
+                # a gc (of another host, say) removed it from the source while it was copied: not
+                # damage, and no reason to give up the others; nothing of it was committed, and
+                # what it walked is walked again by a checkpoint that shares it
+                visited.clear()
+                visited.update(walked)
+                report.removed_meanwhile.append(ck)
+                continue
             (report.copied if fresh else report.already_there).append(committed)
             if progress:
                 progress("copy", n + 1, len(todo))
     return report
+
+
+def _still_committed(src: "CheckpointStore", ck: Checkpoint) -> bool:
+    """Whether the source still holds checkpoint `ck` (it may have had it removed meanwhile)."""
+    src.ensure_cache()
+    with src.index.read() as txn:
+        now = src.registry.get(txn, ck.step)
+    return now is not None and now.id == ck.id
 
 
 def _held(dst: "CheckpointStore", ck: Checkpoint) -> Checkpoint | None:

@@ -306,3 +306,37 @@ def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
         assert not isinstance(results[0], Exception), results[0]
         assert_same(dst.load(1), first)
         assert dst.verify().ok
+
+
+def test_a_pull_whose_source_removes_a_checkpoint_meanwhile_copies_the_others(tmp_path):
+    """A push or pull from a bucket beside a gc on another host failed with `object file is
+    missing` (a CorruptionError, read as damage, though the source verified clean) and gave up
+    the whole copy, the newest checkpoint included (audit of stop 33). A checkpoint the source
+    no longer holds is now skipped and reported; the rest are copied."""
+    from cas import faults
+    import threading
+    src_path, gate = tmp_path / "src", tmp_path / "gate"
+    with cas.open(src_path, delta=False, **OPTS) as s:
+        for step in (1, 2, 3):
+            s.save(state(10 * step), step=step)
+    faults.configure(f"transfer.chains_planned=pause:{gate}@1")
+    results: list = []
+    dst = cas.open(tmp_path / "dst", **OPTS)
+    puller = threading.Thread(target=lambda: results.append(outcome_of(dst.pull, src_path)))
+    try:
+        puller.start()
+        wait_for(f"{gate}.reached")
+        with cas.open(src_path, **OPTS) as s:  # step 1, being copied, removed and its objects swept
+            s.delete(1)
+            assert s.gc().objects_swept > 0
+    finally:
+        gate.touch()
+        faults.configure("")
+        puller.join(timeout=120)
+    with dst:
+        report = results[0]
+        assert not isinstance(report, Exception), report
+        assert [ck.step for ck in report.removed_meanwhile] == [1]
+        assert [ck.step for ck in report.copied] == [2, 3]
+        assert_same(dst.load(3), state(30))
+        assert dst.verify().ok

@@ -46,6 +46,8 @@ def _print(report, verb: str, args) -> int:
         print(f"already there  {ck.step:>10}  {ck.id}")
     for ck in report.copied:
         print(f"{verb:14} {ck.step:>10}  {ck.id}")
+    for ck in report.removed_meanwhile:
+        print(f"{'removed':14} {ck.step:>10}  {ck.id}  (removed from {report.source} while it was copied)")
     print(f"{verb} {len(report.copied)} checkpoints from {report.source} to {report.destination}, "
           f"{len(report.already_there)} already there; {report.objects_copied} objects copied "
           f"({human(report.bytes_copied)}), {report.objects_skipped} already there")
