@@ -234,7 +234,8 @@ def cmd_du(store, args) -> int:
     print(f"stored        {human(s.stored_bytes)}  in {s.num_objects} objects (every object in the index)")
     print(f"referenced    {counts.referenced} objects ({_roles(counts.chunks, counts.nodes, counts.bases)}): "
           "what `cas verify` checks")
-    print(f"unreferenced  {counts.unreferenced} objects (no checkpoint reaches them; the next gc sweeps them)")
+    print(f"unreferenced  {counts.unreferenced} objects (no checkpoint reaches them; gc sweeps them, but those in "
+          "a pack still half live or more, a bucket's or a local one over 16 MiB, wait until it is not)")
     if counts.unreadable_nodes:
         print(f"cas: warning: {counts.unreadable_nodes} manifest nodes do not read; run `cas verify`", file=sys.stderr)
     print(f"ratio         {s.dedup_ratio:.2f}x  (logical / stored)")
