@@ -115,7 +115,7 @@ class CasCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise CasError("the Trainer passed no model or optimizer to on_save; cannot store the checkpoint")
         saved = {"model": model, "optimizer": optimizer, "scheduler": lr_scheduler,
-                 "rng": ranks[0] if ranks else rng_state(),
+                 "rng": rng_state(),  # rank 0's, as one process lays it out (a resume in one process reads it)
                  "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
         if ranks:
             saved[RANKS_RNG] = ranks
