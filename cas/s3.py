@@ -42,7 +42,6 @@ import re
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Iterator
 
@@ -50,6 +49,7 @@ from .backend import Buffer, Capabilities, Staged
 from .errors import (BlobAbsentError, BucketMissingError, CasError, CredentialsError, EndpointUnreachableError,
                      MissingObjectError, ObjectStoreError, ObjectStoreUnavailableError, ReplaceRefusedError)
 from .fsutil import OWNER_PREFIX, host_tag, owner_alive, pid_alive, read_head, tmp_owner, unlink_quietly, write_tmp
+from .pools import Pool
 from .s3lease import S3Lease, judge, lease_metadata
 from .s3wire import PartsReader, error_code, read_body
 
@@ -372,7 +372,7 @@ class S3Backend:
             return self.call(f"UPLOAD-PART {key} #{number}", lambda: self.client.upload_part(
                 Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number, Body=data))["ETag"]
 
-        with ThreadPoolExecutor(PART_WORKERS) as pool:
+        with Pool(PART_WORKERS) as pool:
             pending, etags = [], []
             for number, data in enumerate(pieces, 1):
                 pending.append(pool.submit(part, number, data))

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from cas import faults
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX
+from cas.pools import Pool
 from cas.store.records import gc_step
 from cas.store import snapshots
 
@@ -209,7 +209,7 @@ def _footers(packs, names: list[bytes]) -> dict:
             return packs.listed(pack, size)
         except (CorruptionError, OSError) as exc:
             return exc
-    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cas-gc") as pool:
+    with Pool(max_workers=READ_THREADS, thread_name_prefix="cas-gc") as pool:
         return dict(zip(names, pool.map(one, names))) if names else {}
 
 

@@ -8,13 +8,10 @@ the store's next call (save, wait or close) instead of being lost.
 from __future__ import annotations
 
 import concurrent.futures
-import sys
-import threading
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from cas import faults
+from cas.pools import Pool
 
 from .registry import Checkpoint
 from .staging import StagingArena
@@ -45,7 +42,7 @@ class BackgroundSaves:
     """The store's background save thread, its futures and its reused snapshot buffers."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-async")
+        self._executor = Pool(max_workers=1, thread_name_prefix="cas-async")
         self._inflight: list[SaveFuture] = []
         self.steps: set[int] = set()  # steps of saves not finished yet
         self._arenas: list[StagingArena] = []
@@ -108,32 +105,3 @@ class BackgroundSaves:
         self._executor.shutdown(wait=True)
         self._arenas.clear()
 
-
-# --- stores left open at exit ----------------------------------------------------------------
-_OPEN = weakref.WeakSet()  # stores not closed yet
-
-
-def close_at_exit(store) -> None:
-    """Have `store` closed when the interpreter exits, unless it is closed before."""
-    _OPEN.add(store)
-
-
-def closed(store) -> None:
-    _OPEN.discard(store)
-
-
-def _close_open_stores() -> None:
-    """Close the stores still open as the interpreter exits, finishing their saves in flight.
-    A script that ended after save_async without wait() or close() lost that checkpoint with
-    no word: at exit concurrent.futures stops taking work, so the save's hashing and writing
-    could no longer start. Registered after concurrent.futures' own exit hook, so it runs
-    first (threading runs these in reverse order), while the pools still take work."""
-    for store in list(_OPEN):
-        try:
-            store.close()
-        except BaseException as exc:  # noqa: BLE001 - exiting: say it, and close the others
-            print(f"cas: closing the store at {getattr(store, 'path', '?')} as the interpreter exits failed: "
-                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
-
-
-threading._register_atexit(_close_open_stores)  # (concurrent.futures.thread registers its hook this way)

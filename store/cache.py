@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cas import faults
@@ -29,6 +28,7 @@ from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import hash_bytes
 from cas.index import WHERE_FILE, WHERE_PACK, Index, ObjectRecord
 from cas.objectstore import MAX_CHAIN_DECODE
+from cas.pools import Pool
 
 from . import layout as L
 from . import snapshots
@@ -302,7 +302,7 @@ def _read_footers(packs, names: list[bytes]) -> dict:
         return _footer_or_error(packs, pack, size)
     if not names:
         return {}
-    with ThreadPoolExecutor(max_workers=min(SCAN_THREADS, len(names)), thread_name_prefix="cas-scan") as pool:
+    with Pool(max_workers=min(SCAN_THREADS, len(names)), thread_name_prefix="cas-scan") as pool:
         return dict(zip(names, pool.map(one, names)))
 
 
@@ -328,7 +328,7 @@ def _scan_packs(packs, copies: dict, report, *, check: bool, commits: list | Non
     sizes = packs.sizes()
     footers = {}
     if not check and commits is None:
-        with ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="cas-scan") as pool:
+        with Pool(max_workers=SCAN_THREADS, thread_name_prefix="cas-scan") as pool:
             footers = dict(zip(sizes, pool.map(lambda item: _footer_or_error(packs, *item), sizes.items())))
     for pack in sizes:
         listed = footers.get(pack)

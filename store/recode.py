@@ -30,6 +30,7 @@ import numpy as np
 
 from cas import faults
 from cas.codecs import decode_into, parse_header
+from cas.pools import Pool
 from cas.transforms import scratch
 from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_PACK
@@ -103,9 +104,9 @@ class Recoder:
     def __init__(self, objects, workers: int, on_recoded=None) -> None:
         self.objects = objects
         self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
-        self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cas-recode",
+        self._jobs = Pool(max_workers=1, thread_name_prefix="cas-recode",
                                         initializer=_lower_priority)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-recode-w",
+        self._pool = Pool(max_workers=workers, thread_name_prefix="cas-recode-w",
                                         initializer=_lower_priority)
         self._pending: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()

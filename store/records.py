@@ -16,7 +16,6 @@ import getpass
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -26,6 +25,7 @@ from cas.backend import Backend
 from cas.bitrot import claims_a_digest, proves_itself, undo_one_error, undo_own_error, with_digest
 from cas.errors import CasError, CorruptionError, MissingObjectError
 from cas.hashing import KEY_SIZE, hash_bytes
+from cas.pools import Pool
 
 LOG_PREFIX = "log/"
 ENTRY_MAGIC = b"cas-log\n"
@@ -299,7 +299,7 @@ class RecordLog:
         if last - first < 4:
             yield from ((seq, self._fetch(seq)) for seq in range(first, last + 1))
             return
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cas-log") as pool:
+        with Pool(max_workers=READ_THREADS, thread_name_prefix="cas-log") as pool:
             for start in range(first, last + 1, READ_AHEAD):
                 seqs = range(start, min(start + READ_AHEAD, last + 1))
                 yield from zip(seqs, pool.map(self._fetch, seqs))

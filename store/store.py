@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -20,12 +19,12 @@ from cas.errors import (CasError, CheckpointNotFoundError, NotAStoreError, ReadO
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
+from cas.pools import Pool
 
 from . import signing, snapshots
 from . import layout as L
 from . import bases as delta_bases
 from . import pipeline
-from . import background
 from .background import BackgroundSaves, SaveFuture
 from .cachekeeping import CacheKeeping
 from .commit import SaveRecord, commit_save
@@ -106,14 +105,14 @@ class CheckpointStore(CacheKeeping, Loading):
         self.chunk_size = self.config.chunk_size
         self.window_bytes = opts.window_bytes
         self._workers = opts.worker_count()
-        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas")
-        self._hash_pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="cas-hash")
+        self._pool = Pool(max_workers=self._workers, thread_name_prefix="cas")
+        self._hash_pool = Pool(max_workers=self._workers, thread_name_prefix="cas-hash")
         # One read thread per worker: with more threads than cores, a thread that let go of the GIL
         # (AES-GCM, zstd and blake3 do) waits on one the OS preempted. Twice the threads made
         # loads 3-5% slower plain and 10% slower encrypted, warm or cold (stop 29, 2-core VM). A
         # bucket's reads wait on the network instead, so there the pool keeps twice the threads.
         readers = self._workers if where.local else 2 * self._workers
-        self._read_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cas-read")
+        self._read_pool = Pool(max_workers=readers, thread_name_prefix="cas-read")
         self._background = BackgroundSaves()
         self.max_inflight = opts.max_inflight
         self.delta = opts.delta
@@ -126,7 +125,6 @@ class CheckpointStore(CacheKeeping, Loading):
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
         self._recoder = Recoder(self.objects, self._workers, self.after_recode)  # reverse deltas, after each commit
         self._closed = False
-        background.close_at_exit(self)  # a script that ends without close() still finishes its saves
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -134,7 +132,6 @@ class CheckpointStore(CacheKeeping, Loading):
         looked at is raised here."""
         if self._closed:
             return
-        background.closed(self)
         if os.getpid() != self._pid:  # a forked child's copy: its threads and LMDB are the parent's
             self._closed = True
             return

@@ -27,6 +27,7 @@ from cas import faults
 from cas.chains import decode_chain
 from cas.codecs import parse_header
 from cas.objectstore import WriteSession
+from cas.pools import Pool
 from cas.progress import ProgressCallback
 
 from .registry import Checkpoint, add_change
@@ -99,7 +100,7 @@ def copy_checkpoints(src: "CheckpointStore", dst: "CheckpointStore", steps=None,
     workers = max(src.options.worker_count(), 2)
     window = max(2 * workers, min(64, src.window_bytes // max(src.chunk_size, 1)))
     visited: set[bytes] = set()  # nodes walked (and so copied or found) by this transfer
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cas-copy") as pool:
+    with Pool(max_workers=workers, thread_name_prefix="cas-copy") as pool:
         for n, ck in enumerate(todo):
             walked = set(visited)
             try:

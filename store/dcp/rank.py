@@ -25,6 +25,7 @@ from cas.crypt import namer_of
 from cas.localfs import LocalBackend
 from cas.objectfiles import FileObjects
 from cas.chains import decode_chain, last_below, walk_chain
+from cas.pools import Pool
 
 from .. import layout as L
 from ..location import Location
@@ -263,7 +264,7 @@ def write_rank_items(plan: SavePlan, planner: SavePlanner, objects: RankObjects,
             results[n] = _value_result(item, planner)
     jobs = (_tensor_job(n, item, planner, objects.chunk_size) for n, item in enumerate(plan.items)
             if item.type != WriteItemType.BYTE_IO)
-    with ThreadPoolExecutor(max_workers=objects.workers, thread_name_prefix="cas-dcp") as pool:
+    with Pool(max_workers=objects.workers, thread_name_prefix="cas-dcp") as pool:
         for batch in pipeline.batches(jobs, lambda job: job.data.size, WRITE_WINDOW_BYTES):  # bounds host copies
             _write_tensor_jobs(batch, objects, pool, deltas)
             for job in batch:

@@ -13,7 +13,6 @@ import io
 import os
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from cas.errors import CasError, CorruptionError
+from cas.pools import Pool
 
 from .. import pipeline
 from .. import tensors as T
@@ -399,7 +399,7 @@ class CasReader(StorageReader):
             return
         with opened(self._store, self.path, create=False, readonly=True, workers=self.workers,
                     cache_dir=self.cache_dir, key=self.key) as store, \
-                ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cas-dcp") as pool:
+                Pool(max_workers=self.workers, thread_name_prefix="cas-dcp") as pool:
             for batch in pipeline.batches(_regions(items, loaded.shards), lambda r: r[0].buffer.size,
                                           READ_WINDOW_BYTES):
                 try:

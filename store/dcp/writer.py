@@ -10,7 +10,6 @@ import os
 import time
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -23,6 +22,7 @@ from cas import faults
 from cas.errors import CasError, CheckpointExistsError, CorruptionError
 from cas.index import WHERE_FILE
 from cas.objectstore import WriteSession
+from cas.pools import Pool
 
 from .. import tensors as T
 from ..bases import DELTA_MIN_BYTES
@@ -366,7 +366,7 @@ class CasWriter(StorageWriter):
             _adopt_chunks(session, manifest)
         record = SaveRecord(self.step, pending.created, self.milestone, self.metrics, self.meta, manifest.logical_bytes,
                             produced_by={"dcp": {"world_size": len(results), "sharding": manifest.sharding}})
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cas-dcp") as pool:
+        with Pool(max_workers=2, thread_name_prefix="cas-dcp") as pool:
             return commit_save(store, session, record, manifest.tree, manifest.nodes.blobs, pool, "dcp.nodes_written",
                                replacing=self.overwrite)
 
