@@ -275,17 +275,14 @@ def test_cli_ls_shows_the_mirrored_column(tmp_path):
     assert "mirrored" not in cli("ls", store=tmp_path / "m").stdout
 
 
-def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
-    """A pull planned its chains (step 1's chunks whole), then the source's writer saved step 2
-    and its recode made step 1's chunks deltas of step 2's, in new packs, and removed the old
-    ones: the pull read the new encodings along the old chains and failed with a false
-    CorruptionError (the pull audit of stop 29). It now copies such objects by their content."""
-    from cas import faults
+def paused_pull(tmp_path, src_path, meanwhile):
+    """(the destination store, the pull's report or exception) of a pull of `src_path` into
+    tmp_path/dst paused once its first chains are planned, while `meanwhile(source store)` runs."""
     import threading
-    src_path, gate = tmp_path / "src", tmp_path / "gate"
-    first = state(1)
-    with cas.open(src_path, **OPTS) as s:
-        s.save(first, step=1)
+
+    from cas import faults
+
+    gate = tmp_path / "gate"
     faults.configure(f"transfer.chains_planned=pause:{gate}@1")
     results: list = []
     dst = cas.open(tmp_path / "dst", **OPTS)
@@ -294,16 +291,33 @@ def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
         puller.start()
         wait_for(f"{gate}.reached")
         with cas.open(src_path, **OPTS) as s:
-            s.save(state(2, drift=1e-3, base=first), step=2)
-            s.wait()
-            w_chunks = next(t["chunks"] for t in s.tensors(1) if t["path"] == "w")
-            assert all(s.objects.record(k).base is not None for k in w_chunks)  # deltas of step 2's now
+            meanwhile(s)
     finally:
         gate.touch()
         faults.configure("")
         puller.join(timeout=120)
+    return dst, results[0]
+
+
+def test_a_pull_beside_a_save_that_recodes_what_it_copies(tmp_path):
+    """A pull planned its chains (step 1's chunks whole), then the source's writer saved step 2
+    and its recode made step 1's chunks deltas of step 2's, in new packs, and removed the old
+    ones: the pull read the new encodings along the old chains and failed with a false
+    CorruptionError (the pull audit of stop 29). It now copies such objects by their content."""
+    src_path = tmp_path / "src"
+    first = state(1)
+    with cas.open(src_path, **OPTS) as s:
+        s.save(first, step=1)
+
+    def meanwhile(s) -> None:
+        s.save(state(2, drift=1e-3, base=first), step=2)
+        s.wait()
+        w_chunks = next(t["chunks"] for t in s.tensors(1) if t["path"] == "w")
+        assert all(s.objects.record(k).base is not None for k in w_chunks)  # deltas of step 2's now
+
+    dst, result = paused_pull(tmp_path, src_path, meanwhile)
     with dst:
-        assert not isinstance(results[0], Exception), results[0]
+        assert not isinstance(result, Exception), result
         assert_same(dst.load(1), first)
         assert dst.verify().ok
 
@@ -313,28 +327,17 @@ def test_a_pull_whose_source_removes_a_checkpoint_meanwhile_copies_the_others(tm
     missing` (a CorruptionError, read as damage, though the source verified clean) and gave up
     the whole copy, the newest checkpoint included (audit of stop 33). A checkpoint the source
     no longer holds is now skipped and reported; the rest are copied."""
-    from cas import faults
-    import threading
-    src_path, gate = tmp_path / "src", tmp_path / "gate"
+    src_path = tmp_path / "src"
     with cas.open(src_path, delta=False, **OPTS) as s:
         for step in (1, 2, 3):
             s.save(state(10 * step), step=step)
-    faults.configure(f"transfer.chains_planned=pause:{gate}@1")
-    results: list = []
-    dst = cas.open(tmp_path / "dst", **OPTS)
-    puller = threading.Thread(target=lambda: results.append(outcome_of(dst.pull, src_path)))
-    try:
-        puller.start()
-        wait_for(f"{gate}.reached")
-        with cas.open(src_path, **OPTS) as s:  # step 1, being copied, removed and its objects swept
-            s.delete(1)
-            assert s.gc().objects_swept > 0
-    finally:
-        gate.touch()
-        faults.configure("")
-        puller.join(timeout=120)
+
+    def meanwhile(s) -> None:  # step 1, being copied, removed and its objects swept
+        s.delete(1)
+        assert s.gc().objects_swept > 0
+
+    dst, report = paused_pull(tmp_path, src_path, meanwhile)
     with dst:
-        report = results[0]
         assert not isinstance(report, Exception), report
         assert [ck.step for ck in report.removed_meanwhile] == [1]
         assert [ck.step for ck in report.copied] == [2, 3]
