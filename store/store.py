@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 
 from cas import crypt, faults
@@ -27,13 +27,14 @@ from . import bases as delta_bases
 from . import pipeline
 from .background import BackgroundSaves, SaveFuture
 from .cachekeeping import CacheKeeping
+from .changes import RegistryChanges
 from .commit import SaveRecord, commit_save
 from .loading import Loading
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
 from .recode import Recoder, bases_of_checkpoint
 from .records import RecordLog
-from .registry import Checkpoint, exists_error, remove_change, set_change
+from .registry import Checkpoint, exists_error
 from .stats import StoreStats, codec_usage, store_stats
 from .training import resolve_stateful
 from .tree import encode_nodes, plan
@@ -53,7 +54,7 @@ class _SaveJob:
     reused: set = dataclasses.field(default_factory=set)  # chunk keys the save found stored already
 
 
-class CheckpointStore(CacheKeeping, Loading):
+class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
     """A content-addressed checkpoint store in one folder (cas.Store adds retention and gc: open
     one with `cas.open(path)`)."""
 
@@ -464,74 +465,6 @@ class CheckpointStore(CacheKeeping, Loading):
         with self.index.read() as txn:
             return self.registry.previous(txn, step)
 
-    def delete(self, steps) -> list[Checkpoint]:
-        """Delete checkpoints (a step, or several in one transaction) from the registry; pinned
-        ones are refused. Their objects stay until gc finds them unreferenced."""
-        steps = _steps_of(steps)
-        self._check_writable("delete checkpoints")
-        self._see_other_commits()  # (committed on its own: a refusal below keeps what it caught up)
-        gone: list[Checkpoint] = []
-
-        def plan(txn) -> list[dict]:  # on the registry as it stands at each try (Registry.commit)
-            gone[:] = [self.registry.require(txn, step) for step in dict.fromkeys(steps)]
-            pinned = [ck.step for ck in gone if ck.pinned]
-            if pinned:
-                raise CasError(f"checkpoint(s) {pinned} are pinned (a legal hold); unpin them first")
-            return [remove_change(ck) for ck in gone]
-
-        with self.index.write() as txn:
-            self.registry.commit(txn, "delete", plan)
-            self.index.bump_generation(txn)
-        return gone
-
-    def delete_chosen(self, choose: Callable[[list[Checkpoint]], list[int]]) -> list[Checkpoint]:
-        """Remove the checkpoints that `choose` picks from the registry as it reads inside this
-        one write transaction (gc's retention: a decision on an earlier read removed a checkpoint
-        made a milestone since, and failed on one another gc had removed). Pinned ones stay."""
-        self._check_writable("remove checkpoints")
-        self._see_other_commits()
-        gone: list[Checkpoint] = []
-
-        def plan(txn) -> list[dict]:  # chosen again on the registry as it stands at each try
-            cks = self.registry.all(txn)
-            chosen = set(choose(cks))
-            gone[:] = [ck for ck in cks if ck.step in chosen and not ck.pinned]
-            return [remove_change(ck) for ck in gone]
-
-        with self.index.write() as txn:
-            if self.registry.commit(txn, "retention", plan):
-                self.index.bump_generation(txn)
-        return gone
-
-    def set_milestone(self, step: int, flag: bool = True) -> Checkpoint:
-        return self._update(step, "milestone" if flag else "unmilestone", milestone=bool(flag))
-
-    def set_pinned(self, step: int, flag: bool = True) -> Checkpoint:
-        """A pinned checkpoint cannot be deleted, by hand or by any retention rule."""
-        return self._update(step, "pin" if flag else "unpin", pinned=bool(flag))
-
-    def set_mirrored(self, ck: Checkpoint) -> Checkpoint | None:
-        """Record that checkpoint `ck` is in this store's mirror (one record log entry, so the
-        store, not a process's memory, says what is mirrored). None when that checkpoint is gone
-        or its step was saved again meanwhile: nothing is recorded."""
-        self._check_writable(f"record checkpoint {ck.step} as mirrored")
-        with self.index.write() as txn:
-            current = self.registry.get(txn, ck.step)
-            if current is None or current.id != ck.id:
-                return None
-            if not current.mirrored:
-                self.registry.commit(txn, "mirrored", [set_change(current, mirrored=True)])
-        return dataclasses.replace(current, mirrored=True)
-
-    def _update(self, step: int, why: str, **flags: bool) -> Checkpoint:
-        """Change a checkpoint's flags: one record log entry, so the change outlives the cache."""
-        self._check_writable(f"change checkpoint {step}")
-        self._see_other_commits()
-        with self.index.write() as txn:
-            ck = self.registry.require(txn, step)
-            self.registry.commit(txn, why, [set_change(ck, **flags)])
-        return dataclasses.replace(ck, **flags)
-
     def _check_writable(self, what: str) -> None:
         self._check_open()
         if self.readonly:
@@ -592,12 +525,3 @@ def _checked_process(pid: int, path: str) -> None:
                        "forked after that: its worker threads and index do not work here. Open the store again "
                        "in the child (cas.open(path))")
 
-
-def _steps_of(steps) -> list:
-    """delete()'s steps: one int or an iterable of them (a str, a float or None is neither, and
-    a str's characters are no steps)."""
-    if type(steps) is int:
-        return [steps]
-    if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-        raise TypeError(f"steps must be a step (an int) or a list of steps, got {type(steps).__name__} {steps!r}")
-    return list(steps)
