@@ -155,6 +155,7 @@ def rebuild(store, txn, report: RebuildReport | None = None, *, check: bool = Fa
     _scan_files(store.objects.files, copies, report)
     _forget_deleted_packs(copies, entries)
     records = choose_copies(copies, old, extrapolates=lambda key, rec: _extrapolates(store.objects, key, rec))
+    adopt_recodes(records, copies, entries)
     set_depths(records)
     txn.drop(index.db("objects"), delete=False)
     for key, rec in records.items():
@@ -266,7 +267,7 @@ def catch_up(store, txn, report: RebuildReport) -> bool:
                 index.doom_packs(txn, entry.gc["packs"], entry.gc["epoch"])
             for pack in packs:
                 if not isinstance(listed[pack], Exception):
-                    _index_pack(index, txn, pack, listed[pack])
+                    _index_pack(index, txn, pack, listed[pack], recoded=pack in entry.recoded)
             registry.fold(txn, [entry])
     except CorruptionError:
         return False  # an entry that does not apply: the rebuild reports it
@@ -283,7 +284,7 @@ def catch_up(store, txn, report: RebuildReport) -> bool:
 def _packs_named(entry) -> list[bytes] | None:
     """The packs an entry's objects are in (its saves' and its gc rewrites'); None when an add
     names none (written by a cas that did not list them)."""
-    packs = list(entry.gc["new_packs"]) if entry.gc else []
+    packs = (list(entry.gc["new_packs"]) if entry.gc else []) + list(entry.recoded)
     for change in entry.changes:
         if change["op"] == "add":
             if not isinstance(change.get("packs"), list):
@@ -306,14 +307,17 @@ def _read_footers(packs, names: list[bytes]) -> dict:
         return dict(zip(names, pool.map(one, names)))
 
 
-def _index_pack(index, txn, pack: bytes, listed) -> None:
+def _index_pack(index, txn, pack: bytes, listed, *, recoded: bool = False) -> None:
     """Index a pack's entries: a key with no record, or whose record is in a doomed pack, takes
-    this copy; any other keeps the copy it has (its checkpoints decode through it)."""
+    this copy; any other keeps the copy it has (its checkpoints decode through it). But a
+    recode's pack (`recoded`) holds stored objects coded anew, which every host reads alike:
+    its copies replace the ones indexed, where their chain reaches a full object here."""
     if listed is None:
         raise CorruptionError(f"pack {pack.hex()} has no footer")  # format 1: not in a bucket
     for e in listed:
         current = index.record(txn, e.key)
-        if current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)):
+        if current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)) \
+                and not (recoded and _chain_holds(lambda k: index.record(txn, k), e.key, e.base)):
             continue
         base = index.record(txn, e.base) if e.base is not None else None
         index.put_record(txn, e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset, base=e.base,
@@ -516,6 +520,42 @@ def _extrapolates(objects, key: bytes, rec: ObjectRecord) -> bool:
         return objects.header_at(key, rec).needs_below
     except CasError:
         return False
+
+
+def _chain_holds(record_of, key: bytes, base: bytes | None) -> bool:
+    """Whether `key` coded as a delta of `base` (None: whole) decodes from the records
+    `record_of` gives: its base's chain reaches a full object within the decode bound and
+    never passes through `key` itself (that would close a loop)."""
+    for _ in range(MAX_CHAIN_DECODE):
+        if base is None:
+            return True
+        if base == key:
+            return False
+        rec = record_of(base)
+        if rec is None:
+            return False
+        base = rec.base
+    return False
+
+
+def adopt_recodes(records: dict[bytes, ObjectRecord], copies: dict[bytes, list[ObjectRecord]], entries) -> None:
+    """What a bucket's recodes moved, chosen as catch_up chooses it: in log order, each copy in
+    a pack a `recoded` entry names replaces the one chosen, where its chain holds. (Every host
+    then reads the older checkpoints through the same deltas, and its gc takes back the whole
+    copies they superseded rather than the deltas.)"""
+    named = [pack for entry in entries for pack in entry.recoded]
+    if not named:
+        return
+    wanted = set(named)
+    in_pack: dict[bytes, list] = {}
+    for key, recs in copies.items():
+        for rec in recs:
+            if rec.where == WHERE_PACK and rec.pack in wanted:
+                in_pack.setdefault(rec.pack, []).append((key, rec))
+    for pack in named:
+        for key, rec in in_pack.get(pack, ()):
+            if _chain_holds(records.get, key, rec.base):
+                records[key] = dataclasses.replace(rec, depth=0)
 
 
 def _reaches_full(records: dict[bytes, ObjectRecord], key: bytes) -> bool:

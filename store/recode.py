@@ -101,9 +101,15 @@ def _lower_priority() -> None:
 class Recoder:
     """Runs recodes in the background, one at a time in commit order, on low-priority threads."""
 
-    def __init__(self, objects, workers: int, on_recoded=None) -> None:
+    def __init__(self, objects, workers: int, on_recoded=None, logged=None) -> None:
         self.objects = objects
         self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
+        # a bucket store's: logged(txn, packs) names a recode's packs in the record log, inside
+        # its commit, so every host indexes the moved copies (none of it: a local store's
+        # objects are its truth). There recodes neither relink nor promote: a `linear` delta
+        # decodes right only through the copy of its base it was coded against, and a host
+        # that chose another copy would read it wrong; a plain delta decodes through any.
+        self.logged = logged
         self._jobs = Pool(max_workers=1, thread_name_prefix="cas-recode",
                                         initializer=_lower_priority)
         self._pool = Pool(max_workers=workers, thread_name_prefix="cas-recode-w",
@@ -127,7 +133,8 @@ class Recoder:
         def run() -> None:
             try:
                 older = _came_back(previous, current, reused)
-                promoted, clean, children = promote(self.objects, current, self._pool, label, self._compact, older)
+                promoted, clean, children = promote(self.objects, current, self._pool, label, self._compact, older) \
+                    if self.logged is None else (set(), set(), {})
                 self.promoted += len(promoted)
                 # chains no tail counts: the deltas that stood on a chunk before it came back
                 unseen = ({key for key in older if children.get(key)} | promoted) - clean
@@ -138,10 +145,10 @@ class Recoder:
                 for cur in current.values():  # unknown (None): the chunk stays whole when replaced
                     cur.tails = [None if key in unseen else [] if key in clean else tail
                                  for key, tail in zip(cur.keys, cur.tails)]
-                count, packs, above = recode(self.objects, pairs, self._pool, label)
+                count, packs, above = recode(self.objects, pairs, self._pool, label, self.logged)
                 self.recoded += count
                 self._compact(packs)  # the recoded chunks' whole copies go
-                count, packs = relink(self.objects, above, self._pool, label)
+                count, packs = relink(self.objects, above if self.logged is None else [], self._pool, label)
                 self.relinked += count
                 self._compact(packs)
             except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
@@ -178,11 +185,13 @@ class Recoder:
         self._pool.shutdown(wait=True)
 
 
-def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> tuple[int, set, list]:
+def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str,
+           logged: Callable[[object, list[bytes]], None] | None = None) -> tuple[int, set, list]:
     """Re-encode each pair's older chunk as a delta of its newer one in one write session;
     returns how many the commit indexed, the packs that held their copies before (dead
     entries now, for the caller to compact), and the recoded pairs with a chunk below them
-    (with the record of their whole copy), for `relink`. Their tails are set for the next recode."""
+    (with the record of their whole copy), for `relink`. Their tails are set for the next recode.
+    `logged(txn, packs)`: a bucket's, names the session's packs in the record log at its commit."""
     if not pairs:
         return 0, set(), []
     with objects.session(f"recode {label}") as session:
@@ -213,6 +222,8 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
                     if rec.depth != depth:
                         objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
                     above = below
+            if logged is not None:
+                logged(txn, session.packs_written())
             return set(session.recoded)
 
         settled = session.commit(finish) if written or rewritten else set()
@@ -223,7 +234,8 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str) -> 
         if cur.tails[i] is not None:  # (None: other chains hang on the newer chunk, of unknown length)
             cur.tails[i] = [p.key] + p.tail
     moved = settled | {key for key in rewritten if objects.record(key) != before[key]}
-    _remove_superseded(objects, moved)
+    if logged is None:  # (a bucket holds no object files)
+        _remove_superseded(objects, moved)
     packs = {rec.pack for key in moved if (rec := before.get(key)) is not None and rec.where == WHERE_PACK}
     return len(settled), packs, [(by_key[key], before[key]) for key in settled if by_key[key].tail]
 

@@ -64,6 +64,7 @@ class Entry:
     user: str
     changes: tuple  # the registry changes, applied in order, all or none
     gc: dict | None = None  # a gc step in a bucket store (docs/format.md, "gc entries"), else None
+    recoded: tuple = ()  # a bucket recode's packs: copies of stored objects, coded anew (docs/format.md)
 
 
 GC_PHASES = ("intent", "delete")
@@ -84,11 +85,14 @@ def gc_step(phase: str, epoch: bytes, packs, new_packs=(), settles=()) -> dict:
             "new_packs": sorted(bytes(p) for p in new_packs), "settles": [bytes(e) for e in settles]}
 
 
-def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict], gc: dict | None = None) -> bytes:
+def encode_entry(seq: int, prev: bytes | None, why: str, changes: list[dict], gc: dict | None = None,
+                 recoded=()) -> bytes:
     body = {"format": ENTRY_FORMAT, "seq": seq, "prev": prev, "why": why, "time": time.time(),
             "host": socket.gethostname(), "pid": os.getpid(), "user": _user(), "changes": changes}
     if gc is not None:
         body["gc"] = gc
+    if recoded:
+        body["recoded"] = sorted(bytes(p) for p in recoded)
     return with_digest(ENTRY_MAGIC, body)
 
 
@@ -108,7 +112,7 @@ def decode_entry(seq: int, data: bytes) -> Entry:
         entry = Entry(seq=int(body["seq"]), digest=hash_bytes(data), prev=bytes(prev) if prev is not None else None,
                       why=str(body["why"]), time=float(body["time"]), host=str(body["host"]),
                       pid=int(body["pid"]), user=str(body["user"]), changes=tuple(body["changes"]),
-                      gc=_checked_gc(body.get("gc")))
+                      gc=_checked_gc(body.get("gc")), recoded=tuple(_pack_names(body.get("recoded", []), "recoded")))
         for change in entry.changes:
             _check_change(change)
     except CasError:
@@ -128,12 +132,16 @@ def _checked_gc(gc) -> dict | None:
     if not isinstance(gc, dict) or gc.get("phase") not in GC_PHASES or not isinstance(gc.get("epoch"), bytes):
         raise ValueError(f"unknown gc step {gc!r:.80}")
     for field in ("packs", "new_packs"):
-        names = gc.get(field)
-        if not isinstance(names, list) or not all(isinstance(p, bytes) and len(p) == KEY_SIZE for p in names):
-            raise ValueError(f"a gc step's {field} are 32-byte pack names")
+        _pack_names(gc.get(field), f"a gc step's {field}")
     if not isinstance(gc.get("settles", []), list) or not all(isinstance(e, bytes) for e in gc.get("settles", [])):
         raise ValueError("a gc step settles epochs named by bytes")
     return gc
+
+
+def _pack_names(names, what: str) -> list:
+    if not isinstance(names, list) or not all(isinstance(p, bytes) and len(p) == KEY_SIZE for p in names):
+        raise ValueError(f"{what} are 32-byte pack names")
+    return names
 
 
 def _check_change(change: dict) -> None:
@@ -305,9 +313,9 @@ class RecordLog:
                 yield from zip(seqs, pool.map(self._fetch, seqs))
 
     def append(self, seq: int, prev: bytes | None, why: str, changes: list[dict],
-               gc: dict | None = None) -> Entry | None:
+               gc: dict | None = None, recoded=()) -> Entry | None:
         """Create entry `seq`; None when another writer created it first (nothing written)."""
-        data = encode_entry(seq, prev, why, changes, gc)
+        data = encode_entry(seq, prev, why, changes, gc, recoded)
         if not self.backend.put_if_absent(entry_name(seq), [data]):
             return None
         return decode_entry(seq, data)

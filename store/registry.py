@@ -342,8 +342,9 @@ class Registry:
 
     # --- changes ----------------------------------------------------------------------
     def commit(self, txn, why: str, changes: list[dict] | Callable[[object], list[dict]], *,
-               gc: dict | None = None, check: Callable[[object], None] | None = None) -> int:
-        """Append `changes` (and a gc step, `gc`) to the log as one entry and apply them to the
+               gc: dict | None = None, check: Callable[[object], None] | None = None, recoded=()) -> int:
+        """Append `changes` (and a gc step, `gc`, or a bucket recode's packs, `recoded`) to the log
+        as one entry and apply them to the
         cache, all in the caller's write transaction; returns the entry's seq (0: nothing to
         commit). A change that does not apply (a step that exists, a checkpoint that is gone)
         raises and writes nothing. When another cache appended first, this one catches up with
@@ -358,13 +359,13 @@ class Registry:
         for _ in range(APPEND_ATTEMPTS):
             seq, prev = self.head(txn)
             planned = changes(txn) if callable(changes) else changes
-            if not planned and gc is None:
+            if not planned and gc is None and not recoded:
                 return 0
             faults.point("registry.planned")  # another host may append first: this try then fails, and plans again
             try:
                 with self.index.nested(txn) as child:  # undone unless the entry is created
                     self.apply(child, seq + 1, planned)
-                    entry = self.log.append(seq + 1, prev, why, planned, gc)
+                    entry = self.log.append(seq + 1, prev, why, planned, gc, recoded)
                     if entry is None:
                         raise _Taken()
                     faults.point("registry.logged")  # the entry is the truth from here; a kill leaves the cache behind

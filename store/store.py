@@ -124,7 +124,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self._bases: dict[str, delta_bases.TensorBases] | None = None
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
-        self._recoder = Recoder(self.objects, self._workers, self.after_recode)  # reverse deltas, after each commit
+        self._recoder = Recoder(self.objects, self._workers, self.after_recode,  # reverse deltas, after each commit
+                                None if self.location.local else self._log_recode)
         self._closed = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -270,8 +271,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
                        f"{getattr(exc, 'strerror', None) or exc}") from exc
 
     def _write_objects(self, job: "_SaveJob") -> Checkpoint:
-        if not self.delta or (self.delta is True and not self.location.local):
-            # (a bucket: recoding would need the move in its record log, not built: saves stay whole)
+        if not self.delta:
             return self._commit_job(job, {})
         if self.delta == "forward":  # changed chunks coded against the last save's (the newest is a delta)
             with self._delta_lock:
@@ -298,6 +298,12 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
                                      released=self._buffers.give, reused=job.reused)
             return ck
 
+    def _log_recode(self, txn, packs: list[bytes]) -> None:
+        """Name a recode's packs in the record log, inside its commit (a bucket store: every
+        host then indexes the moved copies; store/recode.py, Recoder)."""
+        if packs:
+            self.registry.commit(txn, "recode", [], recoded=packs)
+
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
         """For the first save after the store was opened: the latest checkpoint's chunk keys with
         their chains (recode.bases_of_checkpoint); empty when there is none."""
@@ -312,7 +318,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         (a DCP coordinator's commit: its ranks wrote whole chunks); reads both from the store.
         `reused`: the chunks of `ck` that were stored before its save (its commit session's);
         None makes the recode look for content that came back among all of them."""
-        if not self.location.local or self.readonly:
+        if self.readonly:
             return
         with self._delta_lock:
             try:

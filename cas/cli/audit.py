@@ -13,7 +13,7 @@ WHAT = {"add": "added", "remove": "removed", "set": "set"}
 
 def _add_log(p) -> None:
     p.add_argument("--step", type=int, help="only the changes to this step")
-    p.add_argument("--saves", action="store_true", help="include saves (by default only removals, flags and gc)")
+    p.add_argument("--saves", action="store_true", help="include saves and a bucket store's recodes (by default only removals, flags and gc)")
     p.add_argument("--json", action="store_true")
 
 
@@ -31,12 +31,13 @@ def _rows(entries, step: int | None, saves: bool) -> list[dict]:
         changes = [c for c in e.changes if step is None or c["step"] == step]
         if step is not None and not changes:
             continue
-        if not saves and e.why in ("save", "push", "pull", "copy", "mirror") and step is None:
+        if not saves and e.why in ("save", "push", "pull", "copy", "mirror", "recode") and step is None:
             continue
         rows.append({"seq": e.seq, "time": _dt.datetime.fromtimestamp(e.time, _dt.timezone.utc).isoformat(),
                      "why": e.why, "host": e.host, "pid": e.pid, "user": e.user,
                      "changes": [_describe(c) for c in changes],
-                     **({"gc": {"phase": e.gc["phase"], "packs": len(e.gc["packs"])}} if e.gc else {})})
+                     **({"gc": {"phase": e.gc["phase"], "packs": len(e.gc["packs"])}} if e.gc else {}),
+                     **({"recoded": len(e.recoded)} if e.recoded else {})})
     return rows
 
 
@@ -48,7 +49,9 @@ def cmd_log(store, args) -> int:
         emit_json(rows)
         return EXIT_OK
     for r in rows:
-        what = "; ".join(r["changes"]) or (f"gc {r['gc']['phase']}: {r['gc']['packs']} packs" if "gc" in r else "")
+        what = "; ".join(r["changes"]) or (f"gc {r['gc']['phase']}: {r['gc']['packs']} packs" if "gc" in r else
+                                           f"older chunks coded as deltas into {r['recoded']} packs" if "recoded" in r
+                                           else "")
         print(f"{r['seq']:>6}  {r['time'][:19]}  {r['why']:12} {r['user']}@{r['host']} (pid {r['pid']})  {what}")
     if not rows:
         print("no changes recorded" + ("" if args.saves else " but saves (--saves lists them)"))

@@ -1,0 +1,177 @@
+"""Reverse deltas in a bucket store (SeaweedFS, tests/s3server.py): a save writes its changed
+chunks whole, a background recode then codes the chunks they replaced as deltas of the new ones
+into new segments and names them in the record log, so every host (caught up or rebuilt) reads
+the older checkpoints through the same deltas, and gc takes back the superseded whole copies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cas
+from cas.gc.bucket import MAX_UNUSED
+from helpers import assert_same, tiny_model, train_tiny
+from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
+from workers import drifting
+
+CHUNK = 64 << 10
+STEPS = 6
+
+
+def host(url: str, tmp_path, name: str, **options):
+    """A store opened as host `name` would: its own cache folder."""
+    return cas.open(url, cache_dir=str(tmp_path / f"cache-{name}"), chunk_size=CHUNK, **options)
+
+
+def records(store) -> dict:
+    store.ensure_cache()
+    with store.index.read() as txn:
+        return dict(store.index.iter_records(txn))
+
+
+def chunk_bases(store, step: int) -> list:
+    """The delta base of each chunk of `step`'s tensors, as this host's cache records them."""
+    recs = records(store)
+    return [recs[k].base for t in store.tensors(step) for k in t["chunks"]]
+
+
+def bucket_bytes(store) -> int:
+    return sum(store.objects.packs.sizes().values())
+
+
+def save_series(store, steps: int = STEPS) -> None:
+    for step in range(steps):
+        store.save(drifting(step), step=step)
+        store.wait()
+
+
+def test_older_checkpoints_in_a_bucket_become_deltas_every_host_reads_the_same_way(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as store:
+        save_series(store)
+        assert all(b is None for b in chunk_bases(store, STEPS - 1))  # the newest: whole
+        recoded = [step for step in range(STEPS - 1) if any(b is not None for b in chunk_bases(store, step))]
+        assert recoded == list(range(STEPS - 1)), recoded
+        mine = {k: (r.base, r.pack, r.offset) for k, r in records(store).items()}
+        for step in range(STEPS):
+            assert_same(store.load(step), drifting(step))
+    with host(s3_url, tmp_path, "b") as fresh:  # a new host: its cache built from the bucket
+        theirs = {k: (r.base, r.pack, r.offset) for k, r in records(fresh).items()}
+        assert theirs == mine
+        for step in range(STEPS):
+            assert_same(fresh.load(step), drifting(step))
+        assert fresh.verify().ok
+
+
+def test_an_open_host_catches_up_with_another_hosts_recodes(s3_url, tmp_path):
+    with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "b") as b:
+        a.save(drifting(0), step=0)
+        assert [ck.step for ck in b.checkpoints()] == [0]  # b has folded step 0, whole
+        a.save(drifting(1), step=1)
+        a.wait()
+        assert any(base is not None for base in chunk_bases(a, 0))
+        assert chunk_bases(b, 0) == chunk_bases(a, 0)  # folded from the log: the same deltas
+        assert_same(b.load(0), drifting(0))
+
+
+def test_gc_takes_back_the_whole_copies_the_recodes_superseded(s3_url, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = []
+    for _ in range(STEPS):
+        train_tiny(model, opt, 10, seed=len(states))
+        states.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
+                       "optim": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                                 for k, v in opt.state_dict()["state"].items()}})
+    with host(s3_url + "/plain", tmp_path, "p", delta=False) as plain, host(s3_url + "/delta", tmp_path, "d") as store, \
+            cas.open(tmp_path / "local", chunk_size=CHUNK) as local:
+        for step, st in enumerate(states):
+            for s in (plain, store, local):
+                s.save(st, step=step)
+                s.wait()
+        plain.gc()
+        before = bucket_bytes(store)
+        report = store.gc()
+        assert report.deferred is None and report.reclaimed_bytes > 0, report.to_json()
+        # what is left: the same deltas as a local store's (which compacts as it recodes), give or
+        # take gc's allowance of dead bytes (MAX_UNUSED), and less than the store without deltas
+        assert bucket_bytes(store) <= (1 + MAX_UNUSED) * bucket_bytes(local) < before
+        assert bucket_bytes(store) < bucket_bytes(plain), (bucket_bytes(store), bucket_bytes(plain))
+        for step, st in enumerate(states):
+            assert_same(store.load(step), st)
+    with host(s3_url + "/delta", tmp_path, "other") as other:  # another host, after the gc
+        for step, st in enumerate(states):
+            assert_same(other.load(step), st)
+        assert other.verify().ok
+        other.gc()  # its own view of the copies agrees: nothing more to take, nothing lost
+        for step, st in enumerate(states):
+            assert_same(other.load(step), st)
+
+
+def test_trained_model_resumes_exactly_from_a_bucket_with_deltas(s3_url, tmp_path):
+    model = tiny_model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with host(s3_url, tmp_path, "a") as store:
+        for step in range(4):
+            train_tiny(model, opt, 3, seed=step)
+            store.save({"model": model.state_dict(), "optim": opt.state_dict()}, step=step)
+        expected = train_tiny(model, opt, 3, seed=99)
+        store.wait()
+    model2 = tiny_model(2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    with host(s3_url, tmp_path, "b") as fresh:
+        state = fresh.load(3)
+        model2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["optim"])
+        assert train_tiny(model2, opt2, 3, seed=99) == expected
+        assert fresh.verify().ok
+
+
+RECODER = """
+import sys, cas
+sys.path.insert(0, sys.argv[3])
+from workers import drifting
+with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
+    for step in range(4):
+        store.save(drifting(step), step=step)
+        store.wait()
+"""
+
+
+# registry.logged@3: after the recode's log entry exists (entries 1 and 2: the saves of steps 0 and 1)
+@pytest.mark.parametrize("point", ["recode.encoded", "recode.in_txn", "registry.logged@3", "recode.committed"])
+def test_a_host_killed_at_every_phase_of_a_bucket_recode_loses_nothing(s3_url, tmp_path, monkeypatch, point):
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")  # gc waits out the killed host's lease
+    name, _, nth = point.partition("@")
+    env = dict(os.environ, CAS_FAULTS=f"{name}=kill" + (f"@{nth}" if nth else ""))  # the first recode: 0 against 1
+    proc = subprocess.run([sys.executable, "-c", RECODER, s3_url, str(tmp_path / "cache-killed"),
+                           os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    logged = point in ("registry.logged@3", "recode.committed")  # the recode's entry is in the log
+    seen = []
+    for name in ("killed", "fresh"):  # the killed host's own cache, and a new host's
+        with host(s3_url, tmp_path, name) as store:
+            assert [ck.step for ck in store.checkpoints()] == [0, 1]
+            for step in (0, 1):
+                assert_same(store.load(step), drifting(step))
+            assert store.verify().ok
+            seen.append(chunk_bases(store, 0))
+    assert seen[0] == seen[1]  # both hosts read step 0 alike: through its deltas once the entry is logged
+    assert any(b is not None for b in seen[0]) == logged
+    with host(s3_url, tmp_path, "fresh") as store:
+        report = store.gc()
+        assert report.deferred is None, report.to_json()
+        for step in (2, 3):  # the series goes on, recoding as before
+            store.save(drifting(step), step=step)
+            store.wait()
+        assert any(b is not None for b in chunk_bases(store, 2))
+        store.gc()
+    with host(s3_url, tmp_path, "killed") as store:
+        for step in range(4):
+            assert_same(store.load(step), drifting(step))
+        assert store.verify().ok
