@@ -4,6 +4,7 @@ process with its own cache folder; the interleavings are forced with fault point
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -282,19 +283,28 @@ def test_a_fresh_host_starts_from_a_snapshot_and_ignores_a_bad_one(s3_url, tmp_p
         assert fresh.verify().ok
 
 
+def racing_state(s: int, drift: bool) -> dict:
+    """A racer's state `s`: drawn afresh (test_s3_store's state(s)), or (`drift`) one base moved a
+    little, so that each save's recode codes the chunks it replaced as deltas of the new ones."""
+    g = torch.Generator().manual_seed(100 + s if drift else s)
+    ws = [torch.randn(64, 256, generator=g) for _ in range(3)]
+    if drift:
+        base = torch.Generator().manual_seed(7)
+        ws = [torch.randn(64, 256, generator=base) + 1e-3 * w for w in ws]
+    return {"model": {f"w{i}": w for i, w in enumerate(ws)}, "step": s, "note": f"state {s}"}
+
+
 RACER = """
 import sys, random, time, torch, cas
-url, cache, first, count, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+url, cache, first, count, seed, drift = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 rng = random.Random(seed)
-def state(s):
-    g = torch.Generator().manual_seed(s)
-    return {"model": {f"w{i}": torch.randn(64, 256, generator=g) for i in range(3)}, "step": s, "note": f"state {s}"}
+""" + inspect.getsource(racing_state) + """
 with cas.open(url, cache_dir=cache, chunk_size=64 << 10) as store:
     for i in range(count):
         s = rng.randrange(6)  # few states: saves keep reusing objects of checkpoints gc removed
         step = first + 2 * i
         try:
-            store.save(state(s), step=step, meta={"seed": s})
+            store.save(racing_state(s, drift), step=step, meta={"seed": s})
             print("committed", step, flush=True)
         except cas.CasError as exc:
             print("refused", step, exc, flush=True)
@@ -318,12 +328,15 @@ with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
 """
 
 
-def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("drift", [False, True])
+def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypatch, drift):
     """Free-running: two hosts save states drawn from a few (so they keep reusing objects the gc
-    on a third host is deleting) while it loops gc(keep_last=3). Afterwards every checkpoint
-    loads bit for bit, and every committed step is either there or removed by a log entry."""
+    on a third host is deleting) while it loops gc(keep_last=3); with `drift` the states are
+    close, so each host's recodes move what it saved before into deltas meanwhile. Afterwards
+    every checkpoint loads bit for bit, and every committed step is either there or removed by
+    a log entry."""
     monkeypatch.setenv("CAS_S3_LEASE_TTL", "3")
-    savers = [spawn(RACER, s3_url, tmp_path / f"cache-{n}", first, 12, seed) for n, first, seed in
+    savers = [spawn(RACER, s3_url, tmp_path / f"cache-{n}", first, 12, seed, int(drift)) for n, first, seed in
               (("a", 0, 1), ("b", 1, 2))]
     done = tmp_path / "savers-done"
     gc = spawn(GC_LOOP, s3_url, tmp_path / "cache-gc", done)
@@ -340,7 +353,11 @@ def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypa
         removed = {c["step"] for e in fresh.log() for c in e.changes if c["op"] == "remove"}
         assert committed <= set(present) | removed
         for step, ck in present.items():
-            assert_same(fresh.load(step), state(ck.meta["seed"]))
+            assert_same(fresh.load(step), racing_state(ck.meta["seed"], drift))
+        if drift:  # the recodes stood: older checkpoints read through deltas
+            with fresh.index.read() as txn:
+                assert any(e.recoded for e in fresh.log())
+                assert any(rec.base is not None for _, rec in fresh.index.iter_records(txn))
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
 
 

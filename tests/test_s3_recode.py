@@ -175,3 +175,19 @@ def test_a_host_killed_at_every_phase_of_a_bucket_recode_loses_nothing(s3_url, t
         for step in range(4):
             assert_same(store.load(step), drifting(step))
         assert store.verify().ok
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_saves_into_a_bucket_are_recoded_by_the_coordinator(s3_url, tmp_path):
+    from cas.store import dcp as cdcp
+
+    for step in (0, 1, 2):
+        cdcp.save(drifting(step), s3_url, step, chunk_size=CHUNK, no_dist=True, cache_dir=str(tmp_path / "rank0"))
+    with host(s3_url, tmp_path, "fresh") as store:
+        assert all(b is None for b in chunk_bases(store, 2))
+        assert any(b is not None for b in chunk_bases(store, 0)) and any(b is not None for b in chunk_bases(store, 1))
+        assert store.verify().ok
+    for step in (0, 1, 2):  # DCP's own load flow, on a host with a fresh cache
+        target = {k: torch.zeros_like(v) for k, v in drifting(step).items()}
+        cdcp.load(target, s3_url, step, no_dist=True, cache_dir=str(tmp_path / f"reader{step}"))
+        assert_same(target, drifting(step))
