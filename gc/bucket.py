@@ -101,7 +101,7 @@ def _plan(store, live: set[bytes], sizes: dict[bytes, int]) -> tuple[set[bytes],
             if rec.where == WHERE_PACK:
                 by_pack.setdefault(rec.pack, []).append((key, rec))
     doomed, moves = set(), {}
-    kept = []  # (live share, live bytes, size, pack, live entries) of the packs left as they are
+    kept: dict[bytes, tuple[int, int]] = {}  # pack -> (live bytes, size) of the packs left as they are
     for pack, size in sizes.items():
         recs = by_pack.get(pack, [])
         if any(key in held for key, _ in recs):
@@ -114,16 +114,25 @@ def _plan(store, live: set[bytes], sizes: dict[bytes, int]) -> tuple[set[bytes],
             doomed.add(pack)
             moves[pack] = alive
         else:
-            kept.append((used / size, used, size, pack, alive))
-    unused = sum(max(size - used, 0) for _, used, size, _, _ in kept)
-    budget = MAX_UNUSED * sum(used for _, used, _, _, _ in kept)
-    for _, used, size, pack, alive in sorted(kept, key=lambda k: k[0]):
+            kept[pack] = (used, size)
+    for pack in most_dead_first(kept):
+        doomed.add(pack)
+        moves[pack] = [(key, rec) for key, rec in by_pack[pack] if key in live]
+    return doomed, moves
+
+
+def most_dead_first(kept: dict[bytes, tuple[int, int]]) -> list[bytes]:
+    """The packs to rewrite, most dead first, until the dead bytes left are at most MAX_UNUSED
+    of the live ones, from pack -> (live bytes, size) of the packs no other rule rewrites."""
+    unused = sum(max(size - used, 0) for used, size in kept.values())
+    budget = MAX_UNUSED * sum(used for used, _ in kept.values())
+    chosen = []
+    for pack, (used, size) in sorted(kept.items(), key=lambda item: item[1][0] / max(item[1][1], 1)):
         if unused <= budget or used >= size:
             break
-        doomed.add(pack)
-        moves[pack] = alive
+        chosen.append(pack)
         unused -= size - used  # (its live entries are copied: the live bytes stay as they were)
-    return doomed, moves
+    return chosen
 
 
 PACK_ENTRY_OVERHEAD = 64  # bytes of framing and footer per entry, near enough for planning

@@ -316,8 +316,10 @@ def _index_pack(index, txn, pack: bytes, listed, *, recoded: bool = False) -> No
         raise CorruptionError(f"pack {pack.hex()} has no footer")  # format 1: not in a bucket
     for e in listed:
         current = index.record(txn, e.key)
-        if current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)) \
-                and not (recoded and _chain_holds(lambda k: index.record(txn, k), e.key, e.base)):
+        if recoded:
+            if not _chain_holds(lambda k: index.record(txn, k), e.key, e.base):
+                continue
+        elif current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)):
             continue
         base = index.record(txn, e.base) if e.base is not None else None
         index.put_record(txn, e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset, base=e.base,

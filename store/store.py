@@ -301,8 +301,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
     def _log_recode(self, txn, packs: list[bytes]) -> None:
         """Name a recode's packs in the record log, inside its commit (a bucket store: every
         host then indexes the moved copies; store/recode.py, Recoder)."""
-        if packs:
-            self.registry.commit(txn, "recode", [], recoded=packs)
+        if packs and snapshots.due(self.registry.commit(txn, "recode", [], recoded=packs)):
+            self._recoder.then(self._take_snapshot)  # once this commit is in the cache
 
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
         """For the first save after the store was opened: the latest checkpoint's chunk keys with
@@ -411,9 +411,12 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
                 pass
             return logged[0]
         if not self.location.local and snapshots.due(ck.seq):
-            with self.index.read() as txn:
-                snapshots.take(self, txn)
+            self._take_snapshot()
         return ck
+
+    def _take_snapshot(self) -> None:
+        with self.index.read() as txn:
+            snapshots.take(self, txn)
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Called after every committed save (DCP's too); the public store applies retention here."""

@@ -91,3 +91,19 @@ def outcome_of(fn, *args):
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - handed to the test thread
         return exc
+
+
+def adamw_series(count: int, every: int = 10, width: int = 256) -> list[dict]:
+    """`count` checkpoints, `every` steps apart, of a seeded MLP (`width` wide) trained with
+    AdamW: weights and both moments (what deltas are for: every value moves a little at every
+    step); 12 * width**2 bytes and a little more each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = []
+    for _ in range(count):
+        train_tiny(model, opt, every, seed=len(states))
+        states.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
+                       "optim": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                                 for k, v in opt.state_dict()["state"].items()}})
+    return states

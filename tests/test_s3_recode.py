@@ -15,7 +15,7 @@ import torch
 
 import cas
 from cas.gc.bucket import MAX_UNUSED
-from helpers import assert_same, tiny_model, train_tiny
+from helpers import adamw_series, assert_same, tiny_model, train_tiny
 from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
 from workers import drifting
 
@@ -40,6 +40,12 @@ def chunk_bases(store, step: int) -> list:
     return [recs[k].base for t in store.tensors(step) for k in t["chunks"]]
 
 
+def head(store) -> int:
+    """The log entry this host's cache has folded last."""
+    with store.index.read() as txn:
+        return store.registry.head(txn)[0]
+
+
 def bucket_bytes(store) -> int:
     return sum(store.objects.packs.sizes().values())
 
@@ -50,8 +56,10 @@ def save_series(store, steps: int = STEPS) -> None:
         store.wait()
 
 
-def test_older_checkpoints_in_a_bucket_become_deltas_every_host_reads_the_same_way(s3_url, tmp_path):
-    with host(s3_url, tmp_path, "a") as store:
+@pytest.mark.parametrize("key", [None, b"k" * 32])
+def test_older_checkpoints_in_a_bucket_become_deltas_every_host_reads_the_same_way(s3_url, tmp_path, key):
+    options = {"key": key} if key else {}
+    with host(s3_url, tmp_path, "a", **options) as store:
         save_series(store)
         assert all(b is None for b in chunk_bases(store, STEPS - 1))  # the newest: whole
         recoded = [step for step in range(STEPS - 1) if any(b is not None for b in chunk_bases(store, step))]
@@ -59,7 +67,7 @@ def test_older_checkpoints_in_a_bucket_become_deltas_every_host_reads_the_same_w
         mine = {k: (r.base, r.pack, r.offset) for k, r in records(store).items()}
         for step in range(STEPS):
             assert_same(store.load(step), drifting(step))
-    with host(s3_url, tmp_path, "b") as fresh:  # a new host: its cache built from the bucket
+    with host(s3_url, tmp_path, "b", **options) as fresh:  # a new host: its cache built from the bucket
         theirs = {k: (r.base, r.pack, r.offset) for k, r in records(fresh).items()}
         assert theirs == mine
         for step in range(STEPS):
@@ -79,15 +87,7 @@ def test_an_open_host_catches_up_with_another_hosts_recodes(s3_url, tmp_path):
 
 
 def test_gc_takes_back_the_whole_copies_the_recodes_superseded(s3_url, tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    states = []
-    for _ in range(STEPS):
-        train_tiny(model, opt, 10, seed=len(states))
-        states.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
-                       "optim": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
-                                 for k, v in opt.state_dict()["state"].items()}})
+    states = adamw_series(STEPS)
     with host(s3_url + "/plain", tmp_path, "p", delta=False) as plain, host(s3_url + "/delta", tmp_path, "d") as store, \
             cas.open(tmp_path / "local", chunk_size=CHUNK) as local:
         for step, st in enumerate(states):
@@ -191,3 +191,46 @@ def test_dcp_saves_into_a_bucket_are_recoded_by_the_coordinator(s3_url, tmp_path
         target = {k: torch.zeros_like(v) for k, v in drifting(step).items()}
         cdcp.load(target, s3_url, step, no_dist=True, cache_dir=str(tmp_path / f"reader{step}"))
         assert_same(target, drifting(step))
+
+
+def test_recode_entries_keep_snapshots_coming_and_a_fresh_host_starts_from_one(s3_url, tmp_path):
+    from cas.store.snapshots import SNAPSHOT_EVERY, snapshot_seqs
+
+    def small(step: int) -> dict:  # one chunk that drifts: each save an entry, each recode another
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.linspace(0, 1, 16384) + 1e-4 * torch.randn(16384, generator=g)}
+
+    with host(s3_url, tmp_path, "a") as store:
+        step = 0
+        while head(store) < SNAPSHOT_EVERY + 2:
+            store.save(small(step), step=step)
+            store.wait()
+            step += 1
+        assert sum(1 for e in store.log() if e.recoded) >= SNAPSHOT_EVERY // 2 - 2
+        assert snapshot_seqs(store.backend), "no snapshot: the entry due for one was a recode's"
+        mine = {k: (r.base, r.pack, r.offset) for k, r in records(store).items()}
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert fresh.cache_report.snapshot is not None
+        assert {k: (r.base, r.pack, r.offset) for k, r in records(fresh).items()} == mine
+        for s in range(step):
+            assert torch.equal(fresh.load(s)["w"], small(s)["w"])
+
+
+def test_a_recoded_copy_is_adopted_only_where_its_chain_reaches_a_full_object():
+    """The fold's rule on its own: a recode's copy replaces the chosen one where its base's chain
+    ends in a full object without passing through it; one that would close a loop is left."""
+    from cas.index import WHERE_PACK, ObjectRecord
+    from cas.store.cache import adopt_recodes
+    from cas.store.records import Entry
+
+    a, b, c, old, new = (bytes([n]) * 32 for n in range(5))
+    whole_a, whole_c = ObjectRecord(WHERE_PACK, 10, 10, old, 0), ObjectRecord(WHERE_PACK, 10, 10, old, 20)
+    b_on_a = ObjectRecord(WHERE_PACK, 5, 10, old, 10, base=a)
+    a_on_b, c_on_a = ObjectRecord(WHERE_PACK, 5, 10, new, 0, base=b), ObjectRecord(WHERE_PACK, 5, 10, new, 5, base=a)
+    records = {a: whole_a, b: b_on_a, c: whole_c}
+    copies = {a: [whole_a, a_on_b], b: [b_on_a], c: [whole_c, c_on_a]}
+    entry = Entry(seq=3, digest=b"", prev=None, why="recode", time=0.0, host="h", pid=1, user="u", changes=(),
+                  recoded=(new,))
+    adopt_recodes(records, copies, [entry])
+    assert records[a] == whole_a  # a delta of b, which is a delta of a: a loop, not adopted
+    assert records[c] == c_on_a  # a delta of the full a: adopted
