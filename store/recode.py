@@ -106,9 +106,9 @@ class Recoder:
         self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
         # a bucket store's: logged(txn, packs) names a recode's packs in the record log, inside
         # its commit, so every host indexes the moved copies (none of it: a local store's
-        # objects are its truth). There recodes neither relink nor promote: a `linear` delta
-        # decodes right only through the copy of its base it was coded against, and a host
-        # that chose another copy would read it wrong; a plain delta decodes through any.
+        # objects are its truth). There recodes do not relink: a `linear` delta decodes right
+        # only through the copy of its base it was coded against, and a host that chose another
+        # copy would read it wrong; a plain delta (a recode's, a promotion's) decodes through any.
         self.logged = logged
         self._jobs = Pool(max_workers=1, thread_name_prefix="cas-recode",
                                         initializer=_lower_priority)
@@ -133,8 +133,8 @@ class Recoder:
         def run() -> None:
             try:
                 older = _came_back(previous, current, reused)
-                promoted, clean, children = promote(self.objects, current, self._pool, label, self._compact, older) \
-                    if self.logged is None else (set(), set(), {})
+                promoted, clean, children = promote(self.objects, current, self._pool, label, self._compact, older,
+                                                    self.logged)
                 self.promoted += len(promoted)
                 # chains no tail counts: the deltas that stood on a chunk before it came back
                 unseen = ({key for key in older if children.get(key)} | promoted) - clean
@@ -268,8 +268,8 @@ def _recode_one(objects, session, p: Pair, rec) -> str | None:
 
 
 def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, label: str,
-            compact: Callable[[set[bytes]], None],
-            older: set[bytes]) -> tuple[set[bytes], set[bytes], dict[bytes, list[bytes]]]:
+            compact: Callable[[set[bytes]], None], older: set[bytes],
+            logged: Callable[[object, list[bytes]], None] | None = None) -> tuple[set[bytes], set[bytes], dict]:
     """Make whole again the chunks of the newest checkpoint that are deltas: content of an older
     checkpoint that came back (a run resumed from an earlier step saving what it saved before,
     a rollback), which a recode made a delta of the chunk that followed it. The newest must
@@ -306,13 +306,13 @@ def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, 
         group.setdefault(key, group[above])
     if unlinks:
         moved, before = _move(objects, pool, f"unlink {label}", {k: ("unlink", b, None) for k, b in unlinks.items()},
-                              group, "recode.unlink_encoded")
+                              group, "recode.unlink_encoded", logged)
         faults.point("recode.unlinked")
         compact(_packs_of(before, moved))
         blocked = {unlinks[k] for k in unlinks if k not in moved or not _gone(objects, k, before[k])}
         rebases = {k: v for k, v in rebases.items() if k not in blocked}
     moves = {k: ("whole", None, None) for k in came_back} | {k: ("rebase", b, old) for k, (b, old) in rebases.items()}
-    moved, before = _move(objects, pool, f"promote {label}", moves, group, "recode.promote_encoded")
+    moved, before = _move(objects, pool, f"promote {label}", moves, group, "recode.promote_encoded", logged)
     faults.point("recode.promoted")
     compact(_packs_of(before, moved))
     promoted = {key for key in came_back if key in moved}
@@ -320,11 +320,11 @@ def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, 
 
 
 def _move(objects, pool: ThreadPoolExecutor, purpose: str, moves: dict[bytes, tuple], group: dict[bytes, int],
-          point: str) -> tuple[set[bytes], dict]:
+          point: str, logged=None) -> tuple[set[bytes], dict]:
     """Code each object of `moves` again in one write session: ("whole", None, None) whole,
     with the fast float parameters (the newest); ("rebase", base, old base) or ("unlink", base,
     None) as a `sub` delta of `base`, whatever it saves (a chain's edges must hold). Returns the
-    objects whose record the commit moved and each one's record before."""
+    objects whose record the commit moved and each one's record before. `logged`: as recode's."""
     with objects.session(purpose) as session:
         keys = list(moves)
         held = dict(zip(keys, session.hold(keys + [b for _, b, _ in moves.values() if b is not None])))
@@ -352,10 +352,11 @@ def _move(objects, pool: ThreadPoolExecutor, purpose: str, moves: dict[bytes, tu
 
         list(pool.map(move, list(before)))
         faults.point(point)
-        session.commit(lambda txn: None)
+        session.commit(lambda txn: logged(txn, session.packs_written()) if logged is not None else None)
     moved = {key for key in before if (rec := objects.record(key)) != before[key] and rec is not None
              and rec.base == moves[key][1]}  # (what another writer moved meanwhile is not ours)
-    _remove_superseded(objects, moved)
+    if logged is None:  # (a bucket holds no object files)
+        _remove_superseded(objects, moved)
     return moved, before
 
 

@@ -17,7 +17,7 @@ import cas
 from cas.gc.bucket import MAX_UNUSED
 from helpers import adamw_series, assert_same, tiny_model, train_tiny
 from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fixtures
-from workers import drifting
+from workers import comeback, drifting
 
 CHUNK = 64 << 10
 STEPS = 6
@@ -72,6 +72,25 @@ def test_older_checkpoints_in_a_bucket_become_deltas_every_host_reads_the_same_w
         assert theirs == mine
         for step in range(STEPS):
             assert_same(fresh.load(step), drifting(step))
+        assert fresh.verify().ok
+
+
+def test_content_that_comes_back_is_made_whole_in_the_newest_on_every_host(s3_url, tmp_path):
+    """A run resumed from step 2 saves again what it saved before: those chunks are deltas by
+    then; the promotion makes them whole in the newest, and every host reads them so."""
+    with host(s3_url, tmp_path, "a") as store, host(s3_url, tmp_path, "open") as watching:
+        for step in range(9):
+            store.save(comeback(step), step=step)
+            store.wait()
+            assert all(b is None for b in chunk_bases(store, step)), step  # the newest: whole
+            assert chunk_bases(watching, step) == chunk_bases(store, step)  # caught up entry by entry
+        assert any(b is not None for b in chunk_bases(store, 5))
+        mine = {k: (r.base, r.pack, r.offset) for k, r in records(store).items()}
+        assert {k: (r.base, r.pack, r.offset) for k, r in records(watching).items()} == mine
+    with host(s3_url, tmp_path, "fresh") as fresh:  # its cache rebuilt from the bucket
+        assert {k: (r.base, r.pack, r.offset) for k, r in records(fresh).items()} == mine
+        for step in range(9):
+            assert_same(fresh.load(step), comeback(step))
         assert fresh.verify().ok
 
 
@@ -135,12 +154,22 @@ def test_trained_model_resumes_exactly_from_a_bucket_with_deltas(s3_url, tmp_pat
 RECODER = """
 import sys, cas
 sys.path.insert(0, sys.argv[3])
-from workers import drifting
+import workers
+series = getattr(workers, sys.argv[4])
 with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
-    for step in range(4):
-        store.save(drifting(step), step=step)
+    for step in range(int(sys.argv[5])):
+        store.save(series(step), step=step)
         store.wait()
 """
+
+
+def run_killed(s3_url, tmp_path, fault: str, series: str, steps: int) -> None:
+    """Run RECODER as a host of its own, killed at `fault` (point=kill[@N])."""
+    env = dict(os.environ, CAS_FAULTS=fault)
+    proc = subprocess.run([sys.executable, "-c", RECODER, s3_url, str(tmp_path / "cache-killed"),
+                           os.path.dirname(__file__), series, str(steps)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
 
 
 # registry.logged@3: after the recode's log entry exists (entries 1 and 2: the saves of steps 0 and 1)
@@ -148,10 +177,7 @@ with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
 def test_a_host_killed_at_every_phase_of_a_bucket_recode_loses_nothing(s3_url, tmp_path, monkeypatch, point):
     monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")  # gc waits out the killed host's lease
     name, _, nth = point.partition("@")
-    env = dict(os.environ, CAS_FAULTS=f"{name}=kill" + (f"@{nth}" if nth else ""))  # the first recode: 0 against 1
-    proc = subprocess.run([sys.executable, "-c", RECODER, s3_url, str(tmp_path / "cache-killed"),
-                           os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    run_killed(s3_url, tmp_path, f"{name}=kill" + (f"@{nth}" if nth else ""), "drifting", 4)  # the first recode
     logged = point in ("registry.logged@3", "recode.committed")  # the recode's entry is in the log
     seen = []
     for name in ("killed", "fresh"):  # the killed host's own cache, and a new host's
@@ -234,3 +260,29 @@ def test_a_recoded_copy_is_adopted_only_where_its_chain_reaches_a_full_object():
     adopt_recodes(records, copies, [entry])
     assert records[a] == whole_a  # a delta of b, which is a delta of a: a loop, not adopted
     assert records[c] == c_on_a  # a delta of the full a: adopted
+
+
+@pytest.mark.parametrize("point", ["recode.promote_encoded", "recode.promoted"])
+def test_a_host_killed_while_it_makes_content_that_came_back_whole_loses_nothing(s3_url, tmp_path, monkeypatch, point):
+    """Killed in the promotion after step 6 (which saved step 2's content again: deltas by then),
+    before or after its commit: every host loads steps 0-6, and the series goes on whole."""
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")
+    run_killed(s3_url, tmp_path, f"{point}=kill", "comeback", 9)
+    for name in ("killed", "fresh"):
+        with host(s3_url, tmp_path, name) as store:
+            assert [ck.step for ck in store.checkpoints()] == list(range(7))
+            for step in range(7):
+                assert_same(store.load(step), comeback(step))
+            assert store.verify().ok
+    with host(s3_url, tmp_path, "killed") as store:
+        assert store.gc().deferred is None
+        for step in (7, 8):
+            store.save(comeback(step), step=step)
+            store.wait()
+            assert all(b is None for b in chunk_bases(store, step))
+        for step in range(9):
+            assert_same(store.load(step), comeback(step))
+    with host(s3_url, tmp_path, "fresh") as store:
+        for step in range(9):
+            assert_same(store.load(step), comeback(step))
+        assert store.verify().ok
