@@ -65,24 +65,19 @@ class PackFiles(Fanout):
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend, PREFIX)
 
-    def write(self, entries: list[tuple[bytes, bytes, int, bytes | None]]) -> tuple[bytes, list[tuple[bytes, int, int]]]:
+    def write(self, entries: list[tuple[bytes, bytes, int, bytes | None]], *, avoid=None,
+              salt=None) -> tuple[bytes, list[tuple[bytes, int, int]]]:
         """Write one pack durably from (key, encoded object, raw size, base key) entries; returns
         its key and (object key, offset, length) per entry. A pack of that name holds these very
         bytes (its name is their hash): where the backend may replace, one already there is
-        replaced (a damaged copy is healed, a sound one unchanged); in a bucket it is kept."""
-        parts, placed, listed, offset = [PACK_MAGIC], [], [], len(PACK_MAGIC)
-        for key, blob, raw_size, base in entries:
-            parts.append(_ENTRY.pack(key, len(blob)))
-            parts.append(blob)
-            offset += _ENTRY.size
-            placed.append((key, offset, len(blob)))
-            listed.append([key, offset, len(blob), raw_size, base])
-            offset += len(blob)
-        footer = msgpack.packb(listed, use_bin_type=True)
-        parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
-        # named and written from the parts: no copy of the whole pack (the backend, or the
-        # cipher of an encrypted one, gathers them as it writes)
-        pack = namer_of(self.backend).key_of_parts(parts)  # keyed in an encrypted store: a name reveals nothing
+        replaced (a damaged copy is healed, a sound one unchanged); in a bucket it is kept. A
+        name `avoid(name)` refuses (one a bucket's gc deleted: the log says it is gone for good,
+        and a pack created again under it would be ignored) gets `salt()`, one more entry (an
+        object no checkpoint names), and so another name."""
+        parts, placed, pack = self._laid_out(entries)
+        while avoid is not None and avoid(pack):
+            entries = [*entries, salt()]
+            parts, placed, pack = self._laid_out(entries)
         if not self.backend.capabilities.batched_sync:  # an object store: durable once it answers
             self.backend.put_if_absent(self.name(pack), parts)
             return pack, placed
@@ -95,6 +90,22 @@ class PackFiles(Fanout):
             raise
         self.backend.sync()
         return pack, placed
+
+    def _laid_out(self, entries) -> tuple[list, list[tuple[bytes, int, int]], bytes]:
+        """The parts of a pack of `entries`, where each entry lands, and the pack's name."""
+        parts, placed, listed, offset = [PACK_MAGIC], [], [], len(PACK_MAGIC)
+        for key, blob, raw_size, base in entries:
+            parts.append(_ENTRY.pack(key, len(blob)))
+            parts.append(blob)
+            offset += _ENTRY.size
+            placed.append((key, offset, len(blob)))
+            listed.append([key, offset, len(blob), raw_size, base])
+            offset += len(blob)
+        footer = msgpack.packb(listed, use_bin_type=True)
+        parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
+        # named and written from the parts: no copy of the whole pack (the backend, or the
+        # cipher of an encrypted one, gathers them as it writes)
+        return parts, placed, namer_of(self.backend).key_of_parts(parts)  # keyed when encrypted: reveals nothing
 
     def stream(self) -> "PackStream | None":
         """A pack to write entry by entry while a save encodes, or None where the backend

@@ -351,12 +351,28 @@ class WriteSession(Moves):
             pending, self._pending_small, self._pending_bytes = self._pending_small, {}, 0
         if not pending:
             return
-        pack, placed = self.store.packs.write([(k, item[0], item[1], item[2]) for k, item in pending.items()])
+        pack, placed = self.store.packs.write([(k, item[0], item[1], item[2]) for k, item in pending.items()],
+                                              avoid=self._deleted_name, salt=self._salt)
         faults.point("session.pack_written")
         with self._lock:
             for key, offset, length in placed:
+                if key not in pending:
+                    continue  # the salt
                 _, raw_size, base, depth = pending[key]
                 self._written[key] = ObjectRecord(WHERE_PACK, length, raw_size, pack, offset, base, depth)
+
+    def _deleted_name(self, pack: bytes) -> bool:
+        """Whether a bucket's gc deleted a pack of this name, as this host's cache has it
+        (packs are named by their bytes: the same objects written again in the same order)."""
+        with self.index.read() as txn:
+            return bool(self.index.packs_gone(txn, [pack]))
+
+    def _salt(self) -> tuple[bytes, bytes, int, None]:
+        """A pack entry no checkpoint names (16 random bytes, encoded as any object): it gives a
+        pack of the same objects as a deleted one a name of its own."""
+        raw = secrets.token_bytes(16)
+        enc = self.store.codec.encode(np.frombuffer(raw, dtype=np.uint8))
+        return self.store.namer.key(raw), b"".join(bytes(part) for part in enc.parts), len(raw), None
 
     def adopt(self, key: bytes, replacement: Staged | None = None) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot

@@ -204,6 +204,7 @@ def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], moved
             settles = _settled_epochs(store.index, txn, epoch, doomed)
         marker.generation = generation
         marker.mark(new_roots, progress)
+        marker.follow_current_bases()  # a recode another host committed meanwhile: new base edges
         with store.index.read() as txn:
             kept = {p: _needed(store.index, txn, p, listed.get(p), marker.live, moved) for p in doomed}
         deletable = {p for p, needed in kept.items() if needed is not True}

@@ -126,6 +126,13 @@ class Marker:
                 progress("mark", len(self.live), 0)
         self._follow_bases(chunks_seen)
 
+    def follow_current_bases(self) -> None:
+        """Follow the base edges of every live object as the index records them now: a recode
+        (or a promotion) committed since the first mark may have made a marked chunk a delta of
+        an object nothing else keeps, and marking only the new roots would not see it."""
+        with self.store.index.read() as txn:
+            self.live.update(bases_of(self.store.index, txn, list(self.live), self.live))
+
     def _follow_bases(self, keys: list[bytes]) -> None:
         """A delta keeps its base alive, and the base's base: edges read from the index (a key
         with no record there is noted in `unindexed`: its base, if any, is not known)."""
@@ -281,6 +288,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
             generation, new_roots = retry.args
             marker.generation = generation
             marker.mark(new_roots, progress)
+            marker.follow_current_bases()
             continue
         done += len(batch)
         if progress:

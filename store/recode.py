@@ -98,15 +98,24 @@ def _lower_priority() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class BucketLog:
+    """A bucket store's part in the sessions of a recode (none in a folder, whose objects are
+    its truth): its moves must be in the record log, as a save's objects are."""
+
+    catch_up: Callable[[], None]  # after the session's lease, before it holds anything: fold gc intents
+    commit: Callable[[object, object], None]  # (txn, session) inside its commit: name its packs in the log
+
+
 class Recoder:
     """Runs recodes in the background, one at a time in commit order, on low-priority threads."""
 
-    def __init__(self, objects, workers: int, on_recoded=None, logged=None) -> None:
+    def __init__(self, objects, workers: int, on_recoded=None, logged: BucketLog | None = None) -> None:
         self.objects = objects
         self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
-        # a bucket store's: logged(txn, packs) names a recode's packs in the record log, inside
-        # its commit, so every host indexes the moved copies (none of it: a local store's
-        # objects are its truth). There recodes do not relink: a `linear` delta decodes right
+        # a bucket store's: each session catches up first, as a save does, and its commit names
+        # its packs in the record log, so every host indexes the moved copies. There recodes do
+        # not relink: a `linear` delta decodes right
         # only through the copy of its base it was coded against, and a host that chose another
         # copy would read it wrong; a plain delta (a recode's, a promotion's) decodes through any.
         self.logged = logged
@@ -186,15 +195,18 @@ class Recoder:
 
 
 def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str,
-           logged: Callable[[object, list[bytes]], None] | None = None) -> tuple[int, set, list]:
+           logged: BucketLog | None = None) -> tuple[int, set, list]:
     """Re-encode each pair's older chunk as a delta of its newer one in one write session;
     returns how many the commit indexed, the packs that held their copies before (dead
     entries now, for the caller to compact), and the recoded pairs with a chunk below them
     (with the record of their whole copy), for `relink`. Their tails are set for the next recode.
-    `logged(txn, packs)`: a bucket's, names the session's packs in the record log at its commit."""
+    `logged`: a bucket store's (BucketLog)."""
     if not pairs:
         return 0, set(), []
+    faults.point("recode.started")
     with objects.session(f"recode {label}") as session:
+        if logged is not None:
+            logged.catch_up()
         wanted = [p.key for p in pairs] + [p.base for p in pairs]
         present = dict(zip(wanted, session.hold(wanted)))
         seen: set[bytes] = set()
@@ -223,7 +235,7 @@ def recode(objects, pairs: list[Pair], pool: ThreadPoolExecutor, label: str,
                         objects.index.put_record(txn, below, replace(rec, depth=min(depth, 255)))
                     above = below
             if logged is not None:
-                logged(txn, session.packs_written())
+                logged.commit(txn, session)
             return set(session.recoded)
 
         settled = session.commit(finish) if written or rewritten else set()
@@ -269,7 +281,7 @@ def _recode_one(objects, session, p: Pair, rec) -> str | None:
 
 def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, label: str,
             compact: Callable[[set[bytes]], None], older: set[bytes],
-            logged: Callable[[object, list[bytes]], None] | None = None) -> tuple[set[bytes], set[bytes], dict]:
+            logged: BucketLog | None = None) -> tuple[set[bytes], set[bytes], dict]:
     """Make whole again the chunks of the newest checkpoint that are deltas: content of an older
     checkpoint that came back (a run resumed from an earlier step saving what it saved before,
     a rollback), which a recode made a delta of the chunk that followed it. The newest must
@@ -320,12 +332,14 @@ def promote(objects, current: dict[str, TensorBases], pool: ThreadPoolExecutor, 
 
 
 def _move(objects, pool: ThreadPoolExecutor, purpose: str, moves: dict[bytes, tuple], group: dict[bytes, int],
-          point: str, logged=None) -> tuple[set[bytes], dict]:
+          point: str, logged: BucketLog | None = None) -> tuple[set[bytes], dict]:
     """Code each object of `moves` again in one write session: ("whole", None, None) whole,
     with the fast float parameters (the newest); ("rebase", base, old base) or ("unlink", base,
     None) as a `sub` delta of `base`, whatever it saves (a chain's edges must hold). Returns the
     objects whose record the commit moved and each one's record before. `logged`: as recode's."""
     with objects.session(purpose) as session:
+        if logged is not None:
+            logged.catch_up()
         keys = list(moves)
         held = dict(zip(keys, session.hold(keys + [b for _, b, _ in moves.values() if b is not None])))
         before = {key: objects.record(key) for key in keys if held[key]}
@@ -352,7 +366,7 @@ def _move(objects, pool: ThreadPoolExecutor, purpose: str, moves: dict[bytes, tu
 
         list(pool.map(move, list(before)))
         faults.point(point)
-        session.commit(lambda txn: logged(txn, session.packs_written()) if logged is not None else None)
+        session.commit(lambda txn: logged.commit(txn, session) if logged is not None else None)
     moved = {key for key in before if (rec := objects.record(key)) != before[key] and rec is not None
              and rec.base == moves[key][1]}  # (what another writer moved meanwhile is not ours)
     if logged is None:  # (a bucket holds no object files)

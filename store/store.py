@@ -32,7 +32,7 @@ from .commit import SaveRecord, commit_save
 from .loading import Loading
 from .location import locate
 from .options import StoreOptions, checked_meta, checked_metrics, checked_step
-from .recode import Recoder, bases_of_checkpoint
+from .recode import BucketLog, Recoder, bases_of_checkpoint
 from .records import RecordLog
 from .registry import Checkpoint, exists_error
 from .stats import StoreStats, codec_usage, store_stats
@@ -125,7 +125,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self._delta_lock = threading.Lock()  # with deltas, saves run one at a time
         self._buffers = delta_bases.Buffers()  # the copies of saves' bytes, reused
         self._recoder = Recoder(self.objects, self._workers, self.after_recode,  # reverse deltas, after each commit
-                                None if self.location.local else self._log_recode)
+                                None if self.location.local else BucketLog(self.ensure_cache, self._log_recode))
         self._closed = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -298,10 +298,13 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
                                      released=self._buffers.give, reused=job.reused)
             return ck
 
-    def _log_recode(self, txn, packs: list[bytes]) -> None:
+    def _log_recode(self, txn, session) -> None:
         """Name a recode's packs in the record log, inside its commit (a bucket store: every
-        host then indexes the moved copies; store/recode.py, Recoder)."""
-        if packs and snapshots.due(self.registry.commit(txn, "recode", [], recoded=packs)):
+        host then indexes the moved copies; store/recode.py, Recoder). As a save's commit, it
+        fails, nothing committed, if a gc on another host deleted what the session relies on."""
+        packs = session.packs_written()
+        if packs and snapshots.due(self.registry.commit(txn, "recode", [], recoded=packs,
+                                                        check=session.check_nothing_lost)):
             self._recoder.then(self._take_snapshot)  # once this commit is in the cache
 
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:

@@ -694,3 +694,48 @@ def test_gc_rewrites_packs_a_recode_left_mostly_live_until_dead_bytes_are_at_mos
             assert_same(store.load(step), state)
         assert store.verify().ok
         assert_exactly_reachable(store)
+
+
+GC_RACE_SAVER = """
+import sys, cas
+sys.path.insert(0, sys.argv[2])
+from workers import drifting
+with cas.open(sys.argv[1], chunk_size=64 << 10, pack_max=4096) as store:
+    store.save(drifting(0), step=0)
+    store.wait()
+    store.pin(0)
+    store.save(drifting(1), step=1)  # its recode (step 0 against step 1) pauses before it holds anything
+    store.wait()
+"""
+
+
+def test_a_recode_committed_between_a_gcs_mark_and_its_sweep_keeps_its_new_base(tmp_path):
+    """gc marks; step 1 is gone, so its chunks are not marked; a recode then codes the pinned
+    step 0 as deltas of them and commits; gc's sweep sees the index moved and marks the new
+    roots, which were none: the new base edges must be followed too, or step 0 loses its bases."""
+    from helpers import outcome_of
+
+    path, a_gate, b_gate = tmp_path / "s", tmp_path / "a", tmp_path / "b"
+    env = dict(os.environ, CAS_FAULTS=f"recode.started=pause:{a_gate}")
+    saver = subprocess.Popen([sys.executable, "-c", GC_RACE_SAVER, str(path), os.path.dirname(__file__)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(f"{a_gate}.reached", 120)
+    with cas.open(path, chunk_size=64 << 10, pack_max=4096) as store:
+        store.delete(1)  # its chunks are garbage now, unless step 0 becomes their delta
+        faults.configure(f"gc.marked=pause:{b_gate}")
+        try:
+            result: list = []
+            sweeper = threading.Thread(target=lambda: result.append(outcome_of(store.gc)))
+            sweeper.start()
+            wait_for(f"{b_gate}.reached", 120)
+            a_gate.touch()  # the recode holds, codes step 0 against step 1's chunks and commits
+            _, err = saver.communicate(timeout=120)
+            b_gate.touch()
+            sweeper.join(120)
+        finally:
+            faults.configure("")
+        assert saver.returncode == 0, err[-2000:]
+        assert not isinstance(result[0], Exception), result
+        assert any(store.objects.record(k).base is not None for k in w_chunks_of(store, 0))  # the recode stood
+        assert torch.equal(store.load(0)["w"], drifting(0)["w"])
+        assert store.verify().ok

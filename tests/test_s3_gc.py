@@ -417,3 +417,27 @@ def test_a_pin_committed_between_a_gcs_decision_and_its_append_is_kept(s3_url, t
     with host(s3_url, tmp_path, "fresh") as fresh:
         assert [(ck.step, ck.pinned) for ck in fresh.checkpoints()] == [(1, True), (3, False)]
         assert_same(fresh.load(1), state(1))
+
+
+def test_objects_saved_again_after_gc_deleted_their_pack_go_under_a_new_pack_name(s3_url, tmp_path):
+    """Packs are named by their bytes, so saving again exactly the objects of a pack gc deleted
+    made a pack of the deleted name; the log says that name is gone for good, so a rebuilt
+    cache ignored it and the new checkpoint's objects were missing on every other host. The
+    writer now salts such a pack to another name."""
+    g = torch.Generator().manual_seed(5)
+    st = {"w": torch.randn(256, 1024, generator=g)}  # 16 chunks of 64 KiB: several packs of data alone
+    with host(s3_url, tmp_path, "a", delta=False, workers=1) as store:  # one writer: packs in chunk order
+        store.objects.pack_target = 256 << 10
+        store.save(st, step=1)
+        first = set(store.objects.packs.sizes())
+        store.save({"x": torch.zeros(4)}, step=2)
+        store.delete(1)
+        assert store.gc().deferred is None
+        deleted = first - set(store.objects.packs.sizes())
+        assert len(deleted) >= 3
+        store.save(st, step=3)  # the same objects, in the same order
+        assert not deleted & set(store.objects.packs.sizes())
+        assert_same(store.load(3), st)
+    with host(s3_url, tmp_path, "fresh") as fresh:  # its cache rebuilt from the bucket
+        assert_same(fresh.load(3), st)
+        assert fresh.verify().ok
