@@ -51,6 +51,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import cas  # noqa: E402
+from bench_async import write_json  # noqa: E402
 from countproxy import CountingProxy  # noqa: E402
 
 MiB = 1 << 20
@@ -468,10 +469,7 @@ def main() -> None:
         results["many"] = many_checkpoints(env, args.checkpoints)
         results["targets"] = targets(results)
         print_table(results)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nJSON: {args.out}")
+        write_json(results, args.out)
     finally:
         proxy.close()
         server.stop()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
 import sys
@@ -42,7 +41,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import cas  # noqa: E402
-from bench_async import ModelConfig, Stat, Trainer, load_avg, log  # noqa: E402
+from bench_async import ModelConfig, Stat, Trainer, load_avg, log, write_json  # noqa: E402
 from bench_delta import STATES, TRAIN_THREADS  # noqa: E402
 
 REGION = "us-east-1"
@@ -179,10 +178,7 @@ def main() -> None:
     try:
         results = run(args.quick, args.reps, server.make_bucket(), scratch)
         print_report(results)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nJSON: {args.out}")
+        write_json(results, args.out)
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
