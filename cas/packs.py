@@ -19,12 +19,14 @@ them; a format-1 pack is read by walking its entries.
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 import msgpack
+import numpy as np
 
 from .backend import Backend
 from .codecs import MAGIC as OBJECT_MAGIC
@@ -46,6 +48,15 @@ STREAM_TARGET = 256 << 20  # a streamed pack (a local save's chunks) is closed p
 WRITEBACK_MIN = 1 << 20  # entries at least this large start their writeback at once (start_writeback)
 MAX_PACK = 1 << 31
 PREFIX = "packs"
+
+
+def salt_entry(codec, namer) -> tuple[bytes, bytes, int, None]:
+    """A pack entry no checkpoint names (16 random bytes, encoded and named as any object):
+    added to a pack that must not take a name the store used before (one a bucket's gc
+    deleted: PackFiles.write `avoid`; a DCP rank's, which cannot know those names)."""
+    raw = secrets.token_bytes(16)
+    enc = codec.encode(np.frombuffer(raw, dtype=np.uint8))
+    return namer.key(raw), b"".join(bytes(part) for part in enc.parts), len(raw), None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, ObjectRecord
 from .moves import Moves
 from .backend import Backend, Staged
 from .objectfiles import FileObjects
-from .packs import PACK_HEADER, PackEntry, PackStream
+from .packs import PACK_HEADER, PackEntry, PackStream, salt_entry
 
 if TYPE_CHECKING:
     from .objectstore import ObjectStore
@@ -368,11 +368,7 @@ class WriteSession(Moves):
             return bool(self.index.packs_gone(txn, [pack]))
 
     def _salt(self) -> tuple[bytes, bytes, int, None]:
-        """A pack entry no checkpoint names (16 random bytes, encoded as any object): it gives a
-        pack of the same objects as a deleted one a name of its own."""
-        raw = secrets.token_bytes(16)
-        enc = self.store.codec.encode(np.frombuffer(raw, dtype=np.uint8))
-        return self.store.namer.key(raw), b"".join(bytes(part) for part in enc.parts), len(raw), None
+        return salt_entry(self.store.codec, self.store.namer)
 
     def adopt(self, key: bytes, replacement: Staged | None = None) -> int:
         """Index at commit a file object that another process wrote (a DCP rank, which cannot

@@ -34,7 +34,7 @@ from cas.codecs import CodecPolicy
 from cas.errors import CasError, MissingObjectError
 from cas.crypt import namer_of
 from cas.objectstore import WriteSession
-from cas.packs import PackEntry, PackFiles
+from cas.packs import PackEntry, PackFiles, salt_entry
 
 from ..location import SEGMENT_BYTES, Location
 
@@ -138,7 +138,9 @@ class SegmentObjects:
         return batch
 
     def _write(self, batch: list) -> None:
-        pack, placed = self.packs.write(batch)  # one create-only PUT: durable once it answers
+        # salted: a rank has no cache to tell it which pack names a gc deleted, and a segment of
+        # chunks saved before in the same order would take one (cas.packs salt_entry)
+        pack, placed = self.packs.write([*batch, salt_entry(self.codec, self.namer)])  # one create-only PUT
         with self._lock:
             for (key, offset, length), (_, _, raw_size, base) in zip(placed, batch):
                 self.placed[key] = [pack, offset, length, raw_size, base]
