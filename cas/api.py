@@ -196,6 +196,17 @@ class Store(CheckpointStore):
             warnings.warn(f"cas: the sweep after a recode failed ({type(exc).__name__}: {exc}); the next save's "
                           f"gc sweeps what it left", RuntimeWarning, stacklevel=2)
 
+    def _compact_for_space(self) -> None:
+        """After a save's retention gc: rewrite large packs, most dead first, until dead bytes
+        are at most gc's MAX_UNUSED of the live ones (on the recode thread)."""
+        if self._retention_paused or self._closed:
+            return
+        try:
+            compact_packs(self, GcReport())
+        except Exception as exc:  # noqa: BLE001 - nothing is lost: the next gc rewrites them
+            warnings.warn(f"cas: rewriting packs for space after a save failed ({type(exc).__name__}: {exc}); "
+                          "the next gc does it", RuntimeWarning, stacklevel=2)
+
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
         past, another process removing checkpoints throughout, a full disk, a keep_best metric
@@ -206,9 +217,12 @@ class Store(CheckpointStore):
         if self.retention is None or self._retention_paused:
             return
         try:
-            report = collect(self, self.retention, sweep_objects=self.location.local)
-            if (report.objects_held or report.packs_held) and self.location.local:
-                self.after_recodes(self._sweep_after_recodes)
+            # on the save's path only what is cheap; the rewrites for space (gc's 5% rule) go to
+            # the recode thread, at low priority, after the recodes queued now
+            report = collect(self, self.retention, sweep_objects=self.location.local, space_budget=False)
+            if self.location.local:
+                self.after_recodes(self._sweep_after_recodes if report.objects_held or report.packs_held
+                                   else self._compact_for_space)
         except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
             warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
                           f"({type(exc).__name__}: {exc}); the next save's gc tries again",

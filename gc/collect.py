@@ -160,11 +160,14 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset(), unindexed: dict 
 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
-            progress: ProgressCallback | None = None, sweep_objects: bool = True) -> GcReport:
+            progress: ProgressCallback | None = None, sweep_objects: bool = True,
+            space_budget: bool = True) -> GcReport:
     """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
     then sweep (unless `sweep_objects` is False: retention after a save into a bucket, where a
     sweep waits for other hosts' saves). A policy refused for these checkpoints
-    (RetentionRefusedError) removes and sweeps nothing."""
+    (RetentionRefusedError) removes and sweeps nothing. `space_budget` False: a folder's large
+    packs are rewritten only under half live (the retention on a save's path leaves the rest
+    of compact_packs's rule to the background)."""
     report = GcReport(dry_run=dry_run)
     if retention is not None and not retention.has_rules:
         retention = None
@@ -188,12 +191,12 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
                            "waits for the saves of other hosts")
         return report
     removed_keys = {ck.key for ck in report.removed} if dry_run else set()
-    sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress)
+    sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress, space_budget=space_budget)
     return report
 
 
 def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = frozenset(),
-          progress: ProgressCallback | None = None) -> None:
+          progress: ProgressCallback | None = None, space_budget: bool = True) -> None:
     """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest.
     When another process removes checkpoints while this one marks them, the mark starts over
     from the registry (a few times at most); a sweep batch under way starts over the same way."""
@@ -206,7 +209,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
                 return sweep_bucket(store, report, Marker, dry_run=dry_run, ignore_roots=ignore_roots,
                                     progress=progress)
             return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress,
-                               rebuilt=rebuilt)
+                               rebuilt=rebuilt, space_budget=space_budget)
         except _IndexSuspect as suspect:
             if rebuilt:
                 raise CasError(f"gc stopped before deleting anything: {suspect} even after the index was rebuilt "
@@ -220,7 +223,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
 
 
 def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes],
-                progress: ProgressCallback | None, rebuilt: bool = False) -> None:
+                progress: ProgressCallback | None, rebuilt: bool = False, space_budget: bool = True) -> None:
     t0 = time.perf_counter()
     store.ensure_cache()  # mark from a registry proven to match the store's record log (it may reopen the index)
     index, files = store.index, store.objects.files
@@ -295,7 +298,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
             progress("sweep", done, len(todo))
     if report.deferred is None:
         _remove_superseded_files(store, report, on_disk & records.keys())
-        report.packs_held = len(compact_packs(store, report))
+        report.packs_held = len(compact_packs(store, report, budget=space_budget))
     files.sync()
     with index.read() as txn:
         waiting = _why_wait(store, txn)
@@ -415,7 +418,7 @@ def _delete(store, txn, key: bytes, report: GcReport) -> int:
     return rec.stored_size if rec is not None and size else size
 
 
-def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
+def compact_packs(store, report: GcReport, only=None, budget: bool = True) -> set[bytes]:
     """Remove packs no record points to, then rewrite packs that hold dead entries so that only
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
     it may be that writer's own pack, not yet committed. Rewrites are planned against the free
@@ -424,7 +427,7 @@ def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
     A large pack (a save's streamed chunks, past PACK_TARGET) is rewritten once its live
     entries hold under REWRITE_BELOW of its bytes, as in a bucket: rewriting 200 MiB to free a
     few would cost more than the space is worth, and its dead entries go when it is emptier.
-    A whole gc (`only` None) then also rewrites large packs most dead first until the store's
+    A whole gc (`only` None, `budget`) then also rewrites large packs most dead first until the store's
     dead bytes are at most MAX_UNUSED of its live ones, as in a bucket (a recode leaves the
     packs of the save before anywhere from all dead to mostly live; the half rule alone left a
     store with deltas about a tenth larger on disk than its live bytes).
@@ -467,7 +470,7 @@ def compact_packs(store, report: GcReport, only=None) -> set[bytes]:
                 rewrite[pack] = live
             else:
                 kept[pack], unlisted[pack] = (used, size), live
-    if only is None:
+    if only is None and budget:
         for pack in most_dead_first(kept):
             rewrite[pack] = unlisted[pack]
     plans = {pack: _repack_sizes(store, pack, live) for pack, live in rewrite.items()}

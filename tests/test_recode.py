@@ -739,3 +739,22 @@ def test_a_recode_committed_between_a_gcs_mark_and_its_sweep_keeps_its_new_base(
         assert any(store.objects.record(k).base is not None for k in w_chunks_of(store, 0))  # the recode stood
         assert torch.equal(store.load(0)["w"], drifting(0)["w"])
         assert store.verify().ok
+
+
+def test_a_store_with_retention_keeps_its_dead_bytes_within_5_percent_without_a_gc(tmp_path):
+    """Retention after each save sweeps on the save's path, and the rewrites for space follow on
+    the recode thread: once the background work is done, the disk holds at most MAX_UNUSED more
+    than the live bytes, with no `cas gc` run."""
+    from cas.gc.bucket import MAX_UNUSED
+    from helpers import adamw_series
+
+    states = adamw_series(5, width=1536)
+    with cas.open(tmp_path / "s", retention=Retention(keep_last=10)) as store:  # (removes nothing here)
+        for step, state in enumerate(states):
+            store.save(state, step=step)
+        store.wait()
+        on_disk = sum(store.objects.packs.sizes().values())
+        assert on_disk <= (1 + MAX_UNUSED) * store.stats().stored_bytes + 64 * store.stats().num_objects
+        for step, state in enumerate(states):
+            assert_same(store.load(step), state)
+        assert store.verify().ok
