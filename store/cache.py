@@ -322,8 +322,12 @@ def _index_pack(index, txn, pack: bytes, listed, *, recoded: bool = False) -> No
         elif current is not None and not (current.where == WHERE_PACK and index.pack_doomed(txn, current.pack)):
             continue
         base = index.record(txn, e.base) if e.base is not None else None
+        # a delta whose base is not indexed yet (later in this pack's listing, or in a pack the
+        # same entry names: a gc rewrite copies a chain's objects in any order) is one deep at
+        # least; a record with a base and depth 0 is no record at all (Index refuses it)
+        depth = 0 if e.base is None else min(base.depth + 1, 255) if base is not None else 1
         index.put_record(txn, e.key, ObjectRecord(WHERE_PACK, e.length, e.raw_size, pack, e.offset, base=e.base,
-                                                  depth=min(base.depth + 1, 255) if base is not None else 0))
+                                                  depth=depth))
 
 
 # --- finding objects again ----------------------------------------------------------------

@@ -286,3 +286,21 @@ def test_a_host_killed_while_it_makes_content_that_came_back_whole_loses_nothing
         for step in range(9):
             assert_same(store.load(step), comeback(step))
         assert store.verify().ok
+
+
+def test_a_folded_pack_whose_delta_is_listed_before_its_base_indexes_both(tmp_path):
+    """A gc rewrite copies a chain's objects in any order: a host folding its pack met a delta
+    whose base was not indexed yet and wrote a record with depth 0, which the index refuses
+    ("an index record is damaged"): that host could not open the store (black-box audit)."""
+    from cas.index import Index
+    from cas.packs import PackEntry
+    from cas.store.cache import _index_pack
+    from cas.store.registry import TABLES
+
+    index = Index(str(tmp_path / "index"), create=True, extra_tables=TABLES)
+    pack, delta, base = b"p" * 32, b"d" * 32, b"b" * 32
+    with index.write() as txn:
+        _index_pack(index, txn, pack, [PackEntry(delta, 8, 10, 100, base), PackEntry(base, 54, 50, 100, None)])
+    with index.read() as txn:
+        assert index.record(txn, delta).base == base and index.record(txn, delta).depth >= 1
+        assert index.record(txn, base).base is None
