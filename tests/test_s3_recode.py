@@ -304,3 +304,38 @@ def test_a_folded_pack_whose_delta_is_listed_before_its_base_indexes_both(tmp_pa
     with index.read() as txn:
         assert index.record(txn, delta).base == base and index.record(txn, delta).depth >= 1
         assert index.record(txn, base).base is None
+
+
+def audit_state(step: int) -> dict:
+    """Host h's state i (step h*1000 + i): a drifting weight whose content comes back from i = 6
+    on (a resumed run), a drifting tensor shared by the hosts, and a small changing one."""
+    def tensor(seed: int, rows: int = 64) -> torch.Tensor:
+        return torch.randn(rows, 1024, generator=torch.Generator().manual_seed(seed))
+    owner, i = divmod(step, 1000)
+    j = i if i < 6 else i - 4
+    w = tensor(11 + owner)
+    for k in range(j):
+        w = w + 1e-4 * tensor(100 + k + 37 * owner)
+    return {"w": w, "shared": tensor(7) + j * 1e-3 * tensor(8), "b": tensor(50 + step, rows=2)}
+
+
+def test_a_host_that_fell_behind_catches_up_over_gc_rewrites_of_delta_chains(s3_url, tmp_path):
+    """Host a saves once and closes; host b saves 12 steps (recodes, promotions, milestones)
+    while host g runs gc after each; a then reopens and folds all of it. A rewrite pack listing
+    a delta before its base made a's cache write a record it then refused, on every open and in
+    `cas repair` (black-box audit: every run at 10-12 steps)."""
+    with host(s3_url, tmp_path, "a") as a:
+        a.save(audit_state(1000), step=1000)
+        a.wait()
+    with host(s3_url, tmp_path, "b") as b, host(s3_url, tmp_path, "g") as g:
+        for i in range(12):
+            b.save(audit_state(2000 + i), step=2000 + i, milestone=i % 5 == 3)
+            b.wait()
+            g.gc(keep_last=2, keep_milestones=True)
+        expected = [ck.step for ck in b.checkpoints()]
+    for name in ("a", "b", "fresh"):
+        with host(s3_url, tmp_path, name) as store:
+            assert [ck.step for ck in store.checkpoints()] == expected
+            for step in expected:
+                assert_same(store.load(step), audit_state(step))
+            assert store.verify().ok
