@@ -217,6 +217,21 @@ def creation_lock(root: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def wait_for_creation(root: str) -> None:
+    """Wait while another process holds `root`'s creation lock: a store being created there
+    shows its folders and a temporary config file before its config, which makes the folder
+    look like someone else's to a process that looks in between (two DCP or DDP ranks opening
+    a new store at once: one of them got NotAStoreError)."""
+    try:
+        fd = os.open(os.path.join(root, CREATE_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no lock file: nothing is being created here
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)
+
+
 def check_chunk_size(chunk_size: int) -> None:
     if type(chunk_size) is not int or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise CasError(f"chunk_size must be an int between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, "

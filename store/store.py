@@ -79,8 +79,11 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self.created = False  # whether this open created the store
         if not where.has_config():
             if not (create and not readonly and where.can_create()):
-                where.read_config()  # raises the precise NotAStoreError
-            self.created = where.create(L.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size, opts.key)
+                if where.local:
+                    L.wait_for_creation(where.name)  # another process may be creating it right now
+                where.read_config()  # the store that process made, or the precise NotAStoreError
+            else:
+                self.created = where.create(L.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size, opts.key)
         self.config = where.read_config()
         where.unlock(self.config, opts.key)  # an encrypted store: its keys, and a backend that seals every blob
         if chunk_size is not None and chunk_size != self.config.chunk_size:

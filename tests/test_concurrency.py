@@ -210,3 +210,29 @@ def test_a_reader_with_a_private_cache_follows_objects_a_writer_moved(tmp_path, 
         loaded = reader.load(2)
         assert loaded.keys() == states[2].keys() and all(torch.equal(loaded[k], v) for k, v in states[2].items())
         assert reader.verify().ok
+
+
+OPENER = """
+import sys, time, cas
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+with cas.open(sys.argv[1]) as store:
+    print(store.created)
+"""
+
+
+def test_processes_opening_a_new_path_at_once_create_one_store_and_all_open_it(tmp_path):
+    """Every rank of a job opens the same new path: one creates the store, the others wait for
+    it. One that looked while the creator's temporary config file was in the folder took the
+    folder for someone else's and raised NotAStoreError (seen as a failed HF DDP run)."""
+    import time
+
+    for round_ in range(4):
+        path = tmp_path / f"s{round_}"
+        start = time.time() + 1.5
+        procs = [subprocess.Popen([sys.executable, "-c", OPENER, str(path), str(start)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(6)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in outs if err]
+        assert sorted(out.strip() for out, _ in outs) == ["False"] * 5 + ["True"]
