@@ -115,9 +115,9 @@ class Recoder:
         self.on_recoded = on_recoded  # called with the packs whose entries a recode superseded
         # a bucket store's: each session catches up first, as a save does, and its commit names
         # its packs in the record log, so every host indexes the moved copies. There recodes do
-        # not relink: a `linear` delta decodes right
-        # only through the copy of its base it was coded against, and a host that chose another
-        # copy would read it wrong; a plain delta (a recode's, a promotion's) decodes through any.
+        # not relink: a `linear` delta decodes right only through the copy of its base it was
+        # coded against, and a host that chose another copy would read it wrong; a plain delta
+        # (a recode's, a promotion's) decodes through any.
         self.logged = logged
         self._jobs = Pool(max_workers=1, thread_name_prefix="cas-recode",
                                         initializer=_lower_priority)
