@@ -355,10 +355,8 @@ def test_savers_on_two_hosts_racing_a_gc_lose_nothing(s3_url, tmp_path, monkeypa
         assert committed <= set(present) | removed
         for step, ck in present.items():
             assert_same(fresh.load(step), racing_state(ck.meta["seed"], drift))
-        if drift:  # the recodes stood: older checkpoints read through deltas
-            with fresh.index.read() as txn:
-                assert any(e.recoded for e in fresh.log())
-                assert any(rec.base is not None for _, rec in fresh.index.iter_records(txn))
+        if drift:  # recodes raced the gc (what is left may hold no delta: gc kept the newest 3)
+            assert any(e.recoded for e in fresh.log())
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
 
 
