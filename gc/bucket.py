@@ -102,6 +102,7 @@ def _plan(store, live: set[bytes], sizes: dict[bytes, int]) -> tuple[set[bytes],
                 by_pack.setdefault(rec.pack, []).append((key, rec))
     doomed, moves = set(), {}
     kept: dict[bytes, tuple[int, int]] = {}  # pack -> (live bytes, size) of the packs left as they are
+    kept_alive: dict[bytes, list] = {}  # their live entries
     for pack, size in sizes.items():
         recs = by_pack.get(pack, [])
         if any(key in held for key, _ in recs):
@@ -114,10 +115,10 @@ def _plan(store, live: set[bytes], sizes: dict[bytes, int]) -> tuple[set[bytes],
             doomed.add(pack)
             moves[pack] = alive
         else:
-            kept[pack] = (used, size)
+            kept[pack], kept_alive[pack] = (used, size), alive
     for pack in most_dead_first(kept):
         doomed.add(pack)
-        moves[pack] = [(key, rec) for key, rec in by_pack[pack] if key in live]
+        moves[pack] = kept_alive[pack]
     return doomed, moves
 
 

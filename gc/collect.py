@@ -16,16 +16,13 @@ See docs/architecture.md, "Garbage collection and concurrent saves".
 from __future__ import annotations
 
 import errno
-import socket
 import time
 import weakref
 from dataclasses import dataclass, field
 
 from cas import faults
 from cas.errors import CasError, CorruptionError
-from cas.fsutil import pid_alive
 from cas.index import WHERE_PACK
-from cas.objectstore import LEASE_PREFIX, lease_name
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER, PACK_TARGET
 from cas.progress import ProgressCallback
 from cas.store.cache import move_aside, stored_anywhere
@@ -34,6 +31,7 @@ from cas.store.tree import node_children, parse_node
 
 from .bucket import REWRITE_BELOW, most_dead_first, sweep_bucket
 from .retention import Retention, keep_unmirrored
+from .writers import clean_tmp, reap_dead_leases, why_wait
 
 SWEEP_BATCH = 512
 MARK_ATTEMPTS = 5  # marks restarted because another process removed checkpoints meanwhile
@@ -271,7 +269,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                     raise _Retry(now, new_roots)
                 if store.cache_is_stale(txn):  # another cache committed: mark again from the store
                     raise _RegistryMoved()
-                report.deferred = _why_wait(store, txn)
+                report.deferred = why_wait(store, txn)
                 if report.deferred:
                     break
                 held = _held_with_bases(index, txn)
@@ -301,7 +299,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
         report.packs_held = len(compact_packs(store, report, budget=space_budget))
     files.sync()
     with index.read() as txn:
-        waiting = _why_wait(store, txn)
+        waiting = why_wait(store, txn)
     if not waiting:  # a DCP save's ranks leave replacement files in tmp/ for its commit
         clean_tmp(store)
     report.sweep_seconds = time.perf_counter() - t0
@@ -457,7 +455,7 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True) -> se
             live = list(recs)
             if live and len(live) == len(entries):
                 continue
-            if _why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
+            if why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 busy.add(pack)
                 continue
             size = packs.size(pack) or 0
@@ -544,80 +542,3 @@ def _move_entries(session, pack: bytes, recs: dict) -> int:
         session.write_encoded(key, blob, rec)
         moved += rec.stored_size
     return moved
-
-
-BARRIER_PREFIX = "barrier:"
-
-
-def _why_wait(store, txn) -> str | None:
-    """Why no object may be deleted now, if something forbids it: a live barrier lease (a
-    distributed save whose ranks reuse objects without recording holds), or a live writer this
-    cache does not know (its holds are in another cache: an index deleted or replaced under a
-    running process), whose objects it cannot account for."""
-    barrier = _barrier(store.index, txn)
-    if barrier:
-        return f"a writer that cannot hold objects one by one is in progress ({barrier}); the sweep waits for it"
-    unknown = unknown_writer(store, txn)
-    if unknown:
-        return (f"a live writer ({unknown}) holds objects in another index than this one (was the index deleted "
-                "or replaced while it ran?); the sweep waits until it ends")
-    return None
-
-
-def unknown_writer(store, txn) -> str | None:
-    """A live lease file whose lease this cache does not hold, if any. This store's own sessions
-    are never one: between their file and their index lease they hold nothing (a race that made
-    the retention sweep after a save give up while that save's recode began)."""
-    backend = store.objects.backend
-    if backend is None:
-        return None
-    known = {lease_name(lid) for lid in store.index.leases(txn)} | set(store.objects.own_lease_files)
-    for name in backend.list(LEASE_PREFIX):
-        if name not in known and backend.lease_alive(name):
-            return name
-    return None
-
-
-def _barrier(index, txn) -> str | None:
-    """A live lease whose purpose starts with "barrier:" (a distributed save, whose ranks reuse
-    objects without recording holds) stops every sweep batch until it ends. Checked inside each
-    batch's write transaction, so a barrier taken before ranks look at files is always seen."""
-    for info in index.leases(txn).values():
-        if str(info.get("purpose", "")).startswith(BARRIER_PREFIX):
-            return info["purpose"][len(BARRIER_PREFIX):]
-    return None
-
-
-def _lease_dead(store, lease: bytes, info: dict, host: str) -> bool:
-    """Whether a writer's lease is provably over. A lease with a lease file is over when the
-    file's lock can be taken (the kernel dropped it with its holder, however it died, in any
-    PID namespace) or the file is gone; one without (written by an older cas) when it is this
-    host's and its process id is gone, as that cas judged it."""
-    backend = store.objects.backend
-    if info.get("file") and backend is not None:
-        return not backend.lease_alive(lease_name(lease))
-    return info.get("host") == host and isinstance(info.get("pid"), int) and not pid_alive(info["pid"])
-
-
-def reap_dead_leases(store) -> int:
-    """End the leases of writers that are provably gone (a crashed save): never on a guess, so
-    a live writer in another PID namespace keeps its holds. Leases that cannot be judged stay:
-    their holds only delay reclaiming, never lose data."""
-    host = socket.gethostname()
-    with store.index.read() as txn:
-        leases = store.index.leases(txn)
-    dead = [lid for lid, info in leases.items() if _lease_dead(store, lid, info, host)]
-    if dead:
-        with store.index.write() as txn:
-            for lid in dead:
-                store.index.end_lease(txn, lid)
-        for lid in dead:
-            if store.objects.backend is not None:
-                store.objects.backend.delete(lease_name(lid))
-    return len(dead)
-
-
-def clean_tmp(store) -> int:
-    """Remove temporary files whose writer is provably gone (the backend judges: for a local
-    store, by each writer's owner-file lock; cas.localfs.LocalBackend.clean_tmp)."""
-    return store.backend.clean_tmp()

@@ -119,8 +119,8 @@ def test_repair_never_indexes_a_cycle_of_bases_when_a_chain_to_a_full_copy_exist
     """A has delta copies against B and C, B against A and C, C is whole: whatever the old
     index said, the records chosen must reach C."""
     from cas.index import WHERE_FILE, ObjectRecord
-    from cas.store.cache import _reaches_full
-    from cas.store.cache import choose_copies as _choose
+    from cas.store.copies import choose_copies as _choose
+    from cas.store.copies import reaches_full as _reaches_full
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
     copies = {a: [ObjectRecord(WHERE_FILE, 10, 10, base=b), ObjectRecord(WHERE_FILE, 11, 10, base=c)],
               b: [ObjectRecord(WHERE_FILE, 12, 10, base=a), ObjectRecord(WHERE_FILE, 13, 10, base=c)],

@@ -246,7 +246,7 @@ def test_a_recoded_copy_is_adopted_only_where_its_chain_reaches_a_full_object():
     """The fold's rule on its own: a recode's copy replaces the chosen one where its base's chain
     ends in a full object without passing through it; one that would close a loop is left."""
     from cas.index import WHERE_PACK, ObjectRecord
-    from cas.store.cache import adopt_recodes
+    from cas.store.copies import adopt_recodes
     from cas.store.records import Entry
 
     a, b, c, old, new = (bytes([n]) * 32 for n in range(5))

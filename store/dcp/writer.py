@@ -39,7 +39,7 @@ from . import segments
 from .rank import RankObjects, write_rank_items
 from .reader import in_bucket, read_manifest, same_store, store_and_path
 
-BARRIER_PURPOSE = "barrier:dcp step {step}"  # cas.gc.collect.BARRIER_PREFIX: gc sweeps wait for it
+BARRIER_PURPOSE = "barrier:dcp step {step}"  # cas.gc.writers.BARRIER_PREFIX: gc sweeps wait for it
 
 
 # --- the coordinator's side of a save --------------------------------------------------------
