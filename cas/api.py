@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from typing import Iterator
 
@@ -20,6 +21,10 @@ from .store import CheckpointStore
 from .store.mirror import CLOSE_TIMEOUT, Mirror, MirrorStatus
 from .store.opening import open_or_create, open_other
 from .store.transfer import TransferReport, copy_checkpoints
+
+# how long a bucket's sweep after a save waits for saves in progress before it leaves its packs
+# doomed for the next one (a sweep waits for every writer lease: a deleted pack a save reused is lost)
+BUCKET_SWEEP_WAIT = 2.0
 
 
 class Store(CheckpointStore):
@@ -36,6 +41,9 @@ class Store(CheckpointStore):
         self.retention = retention
         self._retention_paused = 0
         self._compact_later: set[bytes] = set()  # packs a recode's compaction had to leave (after_recode)
+        # a bucket store's sweep after what made garbage (a recode, retention) is queued (_sweep_bucket)
+        self._bucket_sweep_queued = False
+        self._bucket_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if mirror is not None:
             try:
@@ -169,8 +177,13 @@ class Store(CheckpointStore):
 
     def after_recode(self, packs: set[bytes]) -> None:
         """Give back the space of the full copies a recode superseded: the packs it left dead
-        entries in are compacted as gc would (gc's rules: a large pack once under half live)."""
-        if self.readonly or not self.location.local:
+        entries in are compacted as gc would (gc's rules: a large pack once under half live). In
+        a bucket the sweep after the save takes them (_sweep_bucket)."""
+        if self.readonly:
+            return
+        if not self.location.local:
+            if packs:  # (on the recode thread: the sweep runs after this recode's job)
+                self._queue_bucket_sweep()
             return
         # a pack a save in progress held entries of is left for the next recode to try again
         packs = set(packs) | self._compact_later
@@ -183,29 +196,47 @@ class Store(CheckpointStore):
             warnings.warn(f"cas: compacting the packs a recode left dead entries in failed ({type(exc).__name__}: "
                           f"{exc}); the next gc does it", RuntimeWarning, stacklevel=2)
 
+    def _in_background(self, what: str, work) -> GcReport | None:
+        """Run gc `work()` on the recode thread, unless retention is held or the store closing;
+        a failure only warns: nothing is lost, and the next save's (or `cas gc`) does it."""
+        if self._retention_paused or self._closed:
+            return None
+        try:
+            return work()
+        except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours
+            warnings.warn(f"cas: {what} failed ({type(exc).__name__}: {exc}); the next save's gc (or `cas gc`) "
+                          "does it", RuntimeWarning, stacklevel=2)
+            return None
+
     def _sweep_after_recodes(self) -> None:
         """The retention gc of a save had to leave garbage (objects, or packs to compact) that
         a writer held, most likely the recode then running (it holds the chunks of the checkpoint
         it recodes, which that gc may have just removed, and compacts packs): sweep once more
         after the recodes queued now, not at the next save."""
-        if self._retention_paused or self._closed:
-            return
-        try:
-            collect(self, self.retention, sweep_objects=True)
-        except Exception as exc:  # noqa: BLE001 - nothing is lost: the next save's gc sweeps them
-            warnings.warn(f"cas: the sweep after a recode failed ({type(exc).__name__}: {exc}); the next save's "
-                          f"gc sweeps what it left", RuntimeWarning, stacklevel=2)
+        self._in_background("the sweep after a recode", lambda: collect(self, self.retention, sweep_objects=True))
 
     def _compact_for_space(self) -> None:
         """After a save's retention gc: rewrite large packs, most dead first, until dead bytes
         are at most gc's MAX_UNUSED of the live ones (on the recode thread)."""
-        if self._retention_paused or self._closed:
-            return
-        try:
-            compact_packs(self, GcReport())
-        except Exception as exc:  # noqa: BLE001 - nothing is lost: the next gc rewrites them
-            warnings.warn(f"cas: rewriting packs for space after a save failed ({type(exc).__name__}: {exc}); "
-                          "the next gc does it", RuntimeWarning, stacklevel=2)
+        self._in_background("rewriting packs for space after a save", lambda: compact_packs(self, GcReport()))
+
+    def _queue_bucket_sweep(self) -> None:
+        """Queue _sweep_bucket after the recodes queued now, once: a queued one sweeps for all."""
+        with self._bucket_lock:
+            if self._bucket_sweep_queued:
+                return
+            self._bucket_sweep_queued = True
+        self.after_recodes(self._sweep_bucket)
+
+    def _sweep_bucket(self) -> None:
+        """A bucket store, after a save's recode: one gc epoch over what became garbage (the
+        whole copies the recode superseded, the checkpoints retention removed), so the bucket
+        holds what a store without deltas would or less with no `cas gc`. It waits a moment for
+        saves in progress (this host's next one, other hosts'); past that its packs stay doomed
+        and the sweep after the next save, or `cas gc`, ends the epoch."""
+        with self._bucket_lock:
+            self._bucket_sweep_queued = False
+        self._in_background("the sweep of the bucket after a save", lambda: collect(self, None, wait=BUCKET_SWEEP_WAIT))
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
@@ -214,19 +245,22 @@ class Store(CheckpointStore):
         and the next save's gc tries again."""
         if self.mirror is not None:
             self.mirror.notify()
-        if self.retention is None or self._retention_paused:
-            return
-        try:
-            # on the save's path only what is cheap; the rewrites for space (gc's 5% rule) go to
-            # the recode thread, at low priority, after the recodes queued now
-            report = collect(self, self.retention, sweep_objects=self.location.local, space_budget=False)
-            if self.location.local:
-                self.after_recodes(self._sweep_after_recodes if report.objects_held or report.packs_held
-                                   else self._compact_for_space)
-        except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
-            warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
-                          f"({type(exc).__name__}: {exc}); the next save's gc tries again",
-                          RuntimeWarning, stacklevel=2)
+        bucket = not self.location.local
+        if self.retention is not None and not self._retention_paused:
+            try:
+                # on the save's path only what is cheap; the rewrites for space (gc's 5% rule) go to
+                # the recode thread, at low priority, after the recodes queued now, and so does a
+                # bucket's sweep (it waits for other hosts' saves)
+                report = collect(self, self.retention, sweep_objects=not bucket, space_budget=False)
+                if bucket and report.removed:
+                    self._queue_bucket_sweep()
+                elif not bucket:
+                    self.after_recodes(self._sweep_after_recodes if report.objects_held or report.packs_held
+                                       else self._compact_for_space)
+            except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
+                warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
+                              f"({type(exc).__name__}: {exc}); the next save's gc tries again",
+                              RuntimeWarning, stacklevel=2)
 
 
 @contextlib.contextmanager

@@ -159,9 +159,18 @@ def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) ->
                     continue  # damaged: verify's business; the pack then keeps it (see _rescued)
                 session.write_encoded(key, blob, rec)
                 moved.add(key)
-        session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
+        seq = session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
             txn, "gc intent", [], gc=gc_step("intent", epoch, doomed, session.packs_written())))
+    _snapshot_if_due(store, seq)
     return moved
+
+
+def _snapshot_if_due(store, seq: int) -> None:
+    """A gc entry that lands on a snapshot's sequence number takes the snapshot, as a save's or
+    a recode's does (with a sweep after every save, every fourth entry or so is a gc's)."""
+    if snapshots.due(seq):
+        with store.index.read() as txn:
+            snapshots.take(store, txn)
 
 
 def _reap_expired(backend) -> int:
@@ -217,10 +226,11 @@ def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], moved
             raise _Moved()
         try:
             with store.index.write() as txn:
-                store.registry.commit(txn, "gc delete", [], gc=step, check=check)
+                seq = store.registry.commit(txn, "gc delete", [], gc=step, check=check)
         except _Moved:
             continue
         faults.point("gc.delete_logged")
+        _snapshot_if_due(store, seq)
         for pack in sorted(deletable):
             store.objects.packs.delete(pack)
         return deletable

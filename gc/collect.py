@@ -159,13 +159,14 @@ def bases_of(index, txn, keys, known: set[bytes] = frozenset(), unindexed: dict 
 
 def collect(store, retention: Retention | None, *, dry_run: bool = False,
             progress: ProgressCallback | None = None, sweep_objects: bool = True,
-            space_budget: bool = True) -> GcReport:
+            space_budget: bool = True, wait: float | None = None) -> GcReport:
     """Apply `retention` (None, or a policy with no rule: remove nothing, only sweep garbage),
     then sweep (unless `sweep_objects` is False: retention after a save into a bucket, where a
     sweep waits for other hosts' saves). A policy refused for these checkpoints
     (RetentionRefusedError) removes and sweeps nothing. `space_budget` False: a folder's large
     packs are rewritten only under half live (the retention on a save's path leaves the rest
-    of compact_packs's rule to the background)."""
+    of compact_packs's rule to the background). `wait`: how long a bucket's sweep waits for
+    other hosts' saves before it leaves its packs for a later gc (default: a lease's ttl)."""
     report = GcReport(dry_run=dry_run)
     if retention is not None and not retention.has_rules:
         retention = None
@@ -185,16 +186,17 @@ def collect(store, retention: Retention | None, *, dry_run: bool = False,
         store.delete_chosen(choose)
     faults.point("gc.forgotten")
     if not sweep_objects:
-        report.deferred = ("objects are swept by `cas gc` (store.gc()), not after each save: in a bucket a sweep "
-                           "waits for the saves of other hosts")
+        report.deferred = ("in a bucket the objects are swept after the save's recode, in the background "
+                           "(store.gc() sweeps at once)")
         return report
     removed_keys = {ck.key for ck in report.removed} if dry_run else set()
-    sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress, space_budget=space_budget)
+    sweep(store, report, dry_run=dry_run, ignore_roots=removed_keys, progress=progress, space_budget=space_budget,
+          wait=wait)
     return report
 
 
 def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = frozenset(),
-          progress: ProgressCallback | None = None, space_budget: bool = True) -> None:
+          progress: ProgressCallback | None = None, space_budget: bool = True, wait: float | None = None) -> None:
     """Mark from the committed roots (less `ignore_roots`, for a dry run) and delete the rest.
     When another process removes checkpoints while this one marks them, the mark starts over
     from the registry (a few times at most); a sweep batch under way starts over the same way."""
@@ -205,7 +207,7 @@ def sweep(store, report: GcReport, *, dry_run: bool, ignore_roots: set[bytes] = 
         try:
             if not store.location.local:  # no LMDB writer lock is shared across hosts: the log orders
                 return sweep_bucket(store, report, Marker, dry_run=dry_run, ignore_roots=ignore_roots,
-                                    progress=progress)
+                                    progress=progress, wait=wait)
             return _sweep_once(store, report, dry_run=dry_run, ignore_roots=ignore_roots, progress=progress,
                                rebuilt=rebuilt, space_budget=space_budget)
         except _IndexSuspect as suspect:

@@ -184,9 +184,14 @@ class Recoder:
         return future
 
     def wait(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        concurrent.futures.wait(pending)
+        """Until the queue is empty, tasks queued by tasks included (a sweep after a recode)."""
+        while True:
+            with self._lock:
+                self._pending = [f for f in self._pending if not f.done()]
+                pending = list(self._pending)
+            if not pending:
+                return
+            concurrent.futures.wait(pending)
 
     def shutdown(self) -> None:
         self.wait()

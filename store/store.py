@@ -141,6 +141,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
             self._closed = True
             return
         self._background.wait()
+        self.wait_recoding()  # the recodes, and the gc queued after them, run while the store is open
         try:
             self._raise_unobserved()
         finally:

@@ -164,6 +164,7 @@ def test_a_save_that_starts_after_the_intent_writes_its_own_copies(s3_url, tmp_p
     with host(s3_url, tmp_path, "a") as a:
         a.save(state(1), step=1)
         a.save(state(2), step=2)
+        a.wait()  # (the sweep after the saves done: the gate below is for the gc called here)
         gate = str(tmp_path / "gc-gate")
         faults.configure(f"gc.intent_logged=pause:{gate}")
         try:
