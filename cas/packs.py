@@ -84,13 +84,19 @@ class PackFiles(Fanout):
         replaced (a damaged copy is healed, a sound one unchanged); in a bucket it is kept. A
         name `avoid(name)` refuses (one a bucket's gc deleted: the log says it is gone for good,
         and a pack created again under it would be ignored) gets `salt()`, one more entry (an
-        object no checkpoint names), and so another name."""
+        object no checkpoint names), and so another name. In a bucket, so does a name that is
+        taken: the pack there is another writer's, and its fate another gc's (two gcs copying
+        the same live entries in the same order made one pack, which the second doomed as the
+        first's and then deleted, its own copies with it), so a writer relies only on packs it
+        created."""
         parts, placed, pack = self._laid_out(entries)
         while avoid is not None and avoid(pack):
             entries = [*entries, salt()]
             parts, placed, pack = self._laid_out(entries)
         if not self.backend.capabilities.batched_sync:  # an object store: durable once it answers
-            self.backend.put_if_absent(self.name(pack), parts)
+            while not self.backend.put_if_absent(self.name(pack), parts) and salt is not None:
+                entries = [*entries, salt()]
+                parts, placed, pack = self._laid_out(entries)
             return pack, placed
         staged = self.backend.stage(self.name(pack), parts, fsync=True)
         try:

@@ -62,6 +62,7 @@ def sweep_bucket(store, report, marker_type, *, dry_run: bool, ignore_roots: set
         marker = marker_type(store, index.generation(txn))
         roots = [ck.key for ck in store.registry.all(txn) if ck.key not in ignore_roots]
     marker.mark(roots, progress)
+    faults.point("gc.bucket_marked")  # another gc may log its intent here, before this one lists
     report.live_objects = len(marker.live)
     sizes = packs.sizes()
     doomed, moves = _plan(store, marker.live, sizes)

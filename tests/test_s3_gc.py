@@ -189,6 +189,42 @@ def test_a_save_that_starts_after_the_intent_writes_its_own_copies(s3_url, tmp_p
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
 
 
+def test_two_gcs_rewriting_one_pack_at_once_lose_nothing(s3_url, tmp_path):
+    """Hosts A and B gc at once. B marks, then A rewrites a half-dead pack and logs its intent;
+    B, which has not folded it, lists the bucket and plans the same rewrite. Its copies of the
+    pack's live entries are A's bytes in A's order: before, they made A's pack name again, and B
+    doomed that pack as one it knew nothing of and deleted it with its own copies in it."""
+    from cas import faults
+
+    with host(s3_url, tmp_path, "a", delta=False) as a:
+        a.save(state(1), step=1)
+        kept = state(2)
+        kept["model"]["w0"] = state(1)["model"]["w0"]  # step 1's pack stays a third live
+        a.save(kept, step=2)
+        a.wait()
+        a.delete(1)
+        gate_b, gate_a = str(tmp_path / "b-gate"), str(tmp_path / "a-gate")
+        b = spawn(GC, s3_url, tmp_path / "cache-b", env={"CAS_FAULTS": f"gc.bucket_marked=pause:{gate_b}"})
+        wait_for(gate_b + ".reached", b)
+        faults.configure(f"gc.intent_logged=pause:{gate_a}")
+        try:
+            reports: list = []
+            gc = threading.Thread(target=lambda: reports.append(a.gc()))
+            gc.start()
+            wait_for(gate_a + ".reached", b)
+            open(gate_b, "w").close()  # B lists, plans, copies, logs its intent, waits, deletes
+            out, err = b.communicate(timeout=120)
+            assert b.returncode == 0, err[-2000:]
+        finally:
+            open(gate_a, "w").close()
+            faults.configure("")
+        gc.join(timeout=120)
+        assert reports, "A's gc did not finish"
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert fresh.verify().ok
+        assert_same(fresh.load(2), kept)
+
+
 def test_a_writer_paused_past_its_lease_fails_and_commits_nothing(s3_url, tmp_path, monkeypatch):
     """B reuses the objects of checkpoint 1 and is stopped (SIGSTOP: its lease is not renewed);
     gc waits out the lease, deletes them, and B, resumed, finds that out before its commit."""

@@ -143,6 +143,28 @@ def test_the_sweep_after_each_save_takes_back_the_whole_copies_the_recodes_super
             assert_same(other.load(step), st)
 
 
+@pytest.mark.parametrize("delta", [True, False])
+def test_retention_in_a_bucket_gives_the_space_back_with_no_gc(s3_url, tmp_path, delta):
+    """keep_last=2 on a bucket store: the sweep after each save deletes what only the removed
+    checkpoints needed, so the bucket holds what a store of the last two alone holds."""
+    states = adamw_series(STEPS)
+    keep = cas.Retention(keep_last=2)
+    with host(s3_url + "/kept", tmp_path, "k", retention=keep, delta=delta) as store, \
+            host(s3_url + "/last2", tmp_path, "l", delta=delta) as last2:
+        for step, st in enumerate(states):
+            store.save(st, step=step)
+            store.wait()
+        for step in range(STEPS - 2, STEPS):
+            last2.save(states[step], step=step)
+            last2.wait()
+        assert [ck.step for ck in store.checkpoints()] == [STEPS - 2, STEPS - 1]
+        assert bucket_bytes(store) <= (1 + MAX_UNUSED) * bucket_bytes(last2), (bucket_bytes(store), bucket_bytes(last2))
+    with host(s3_url + "/kept", tmp_path, "fresh") as fresh:
+        for step in range(STEPS - 2, STEPS):
+            assert_same(fresh.load(step), states[step])
+        assert fresh.verify().ok
+
+
 def test_trained_model_resumes_exactly_from_a_bucket_with_deltas(s3_url, tmp_path):
     model = tiny_model(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
