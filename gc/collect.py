@@ -16,6 +16,7 @@ See docs/architecture.md, "Garbage collection and concurrent saves".
 from __future__ import annotations
 
 import errno
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class Marker:
 
     def __init__(self, store, generation: int | None = None) -> None:
         self.store = store
+        self.links = _node_links(store)
         self.generation = generation
         self.live: set[bytes] = set()
         self.roots: set[bytes] = set()
@@ -105,24 +107,30 @@ class Marker:
             key = stack.pop()
             if key in self.live:
                 continue
-            try:
-                node = parse_node(self.store.objects.get(key).tobytes(), key)
-            except CorruptionError as exc:
-                if self.generation is not None:
-                    with self.store.index.read() as txn:
-                        if self.store.index.generation(txn) != self.generation:
-                            raise _RegistryMoved() from None
-                raise CasError(f"gc stopped before deleting anything of this pass: a manifest node is unreadable "
-                               f"({exc}); run `cas verify` to see which checkpoints are damaged") from None
+            links = self.links.get(key)
+            if links is None:
+                links = node_children(self._read_node(key))
+                self.links.put(key, links)
             self.live.add(key)
             faults.point("gc.marking")
-            refs, chunks = node_children(node)
+            refs, chunks = links
             chunks_seen.extend(c for c in chunks if c not in self.live)
             self.live.update(chunks)
             stack.extend(r for r in refs if r not in self.live)
             if progress and len(self.live) % 4096 < len(chunks) + 1:
                 progress("mark", len(self.live), 0)
         self._follow_bases(chunks_seen)
+
+    def _read_node(self, key: bytes) -> dict:
+        try:
+            return parse_node(self.store.objects.get(key).tobytes(), key)
+        except CorruptionError as exc:
+            if self.generation is not None:
+                with self.store.index.read() as txn:
+                    if self.store.index.generation(txn) != self.generation:
+                        raise _RegistryMoved() from None
+            raise CasError(f"gc stopped before deleting anything of this pass: a manifest node is unreadable "
+                           f"({exc}); run `cas verify` to see which checkpoints are damaged") from None
 
     def follow_current_bases(self) -> None:
         """Follow the base edges of every live object as the index records them now: a recode
@@ -326,6 +334,41 @@ def _index_lost_them(store, unindexed: dict[bytes, tuple | None]) -> bool:
 # Per open store: (seq, digest, {step: commit key}) of the record log as folded so far, so that
 # each gc reads only the entries since the last (0.1 ms an entry here).
 _LOG_FOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class NodeLinks:
+    """What each manifest node read so far links to ((refs, chunks), by node key), per open
+    store. A node is named by its bytes, so its links never change: a gc after every save (a
+    bucket's sweep, where each node read is a request) reads only the new checkpoints' nodes."""
+
+    LIMIT = 1 << 21  # keys held (~70 MiB at most); past it, forgotten and read again
+
+    def __init__(self) -> None:
+        self._links: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> tuple[list[bytes], list[bytes]] | None:
+        return self._links.get(key)
+
+    def put(self, key: bytes, links: tuple[list[bytes], list[bytes]]) -> None:
+        with self._lock:
+            if self._held > self.LIMIT:
+                self._links, self._held = {}, 0
+            self._links[key] = links
+            self._held += 1 + len(links[0]) + len(links[1])
+
+
+_NODE_LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NODE_LINKS_LOCK = threading.Lock()
+
+
+def _node_links(store) -> NodeLinks:
+    with _NODE_LINKS_LOCK:
+        links = _NODE_LINKS.get(store)
+        if links is None:
+            links = _NODE_LINKS[store] = NodeLinks()
+        return links
 
 
 def _check_registry(store, registered: set[bytes], head: int) -> None:
