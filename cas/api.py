@@ -41,9 +41,9 @@ class Store(CheckpointStore):
         self.retention = retention
         self._retention_paused = 0
         self._compact_later: set[bytes] = set()  # packs a recode's compaction had to leave (after_recode)
-        # a bucket store's sweep after what made garbage (a recode, retention) is queued (_sweep_bucket)
-        self._bucket_sweep_queued = False
-        self._bucket_lock = threading.Lock()
+        # the work that gives space back after a recode or retention is queued (_reclaim)
+        self._reclaim_queued = False
+        self._reclaim_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if mirror is not None:
             try:
@@ -177,13 +177,14 @@ class Store(CheckpointStore):
 
     def after_recode(self, packs: set[bytes]) -> None:
         """Give back the space of the full copies a recode superseded: the packs it left dead
-        entries in are compacted as gc would (gc's rules: a large pack once under half live). In
-        a bucket the sweep after the save takes them (_sweep_bucket)."""
+        entries in are compacted as gc would (gc's rules: a large pack once under half live),
+        and, after the recode's job, the store's packs to gc's 5% rule (_reclaim). In a bucket
+        the sweep after the save takes them (_reclaim)."""
         if self.readonly:
             return
+        if packs:  # (on the recode thread: what is queued runs after this recode's job)
+            self._queue_reclaim()
         if not self.location.local:
-            if packs:  # (on the recode thread: the sweep runs after this recode's job)
-                self._queue_bucket_sweep()
             return
         # a pack a save in progress held entries of is left for the next recode to try again
         packs = set(packs) | self._compact_later
@@ -215,28 +216,29 @@ class Store(CheckpointStore):
         after the recodes queued now, not at the next save."""
         self._in_background("the sweep after a recode", lambda: collect(self, self.retention, sweep_objects=True))
 
-    def _compact_for_space(self) -> None:
-        """After a save's retention gc: rewrite large packs, most dead first, until dead bytes
-        are at most gc's MAX_UNUSED of the live ones (on the recode thread)."""
-        self._in_background("rewriting packs for space after a save", lambda: compact_packs(self, GcReport()))
-
-    def _queue_bucket_sweep(self) -> None:
-        """Queue _sweep_bucket after the recodes queued now, once: a queued one sweeps for all."""
-        with self._bucket_lock:
-            if self._bucket_sweep_queued:
+    def _queue_reclaim(self) -> None:
+        """Queue _reclaim after the recodes queued now, once: a queued one does it for all."""
+        with self._reclaim_lock:
+            if self._reclaim_queued:
                 return
-            self._bucket_sweep_queued = True
-        self.after_recodes(self._sweep_bucket)
+            self._reclaim_queued = True
+        self.after_recodes(self._reclaim)
 
-    def _sweep_bucket(self) -> None:
-        """A bucket store, after a save's recode: one gc epoch over what became garbage (the
-        whole copies the recode superseded, the checkpoints retention removed), so the bucket
-        holds what a store without deltas would or less with no `cas gc`. It waits a moment for
-        saves in progress (this host's next one, other hosts'); past that its packs stay doomed
-        and the sweep after the next save, or `cas gc`, ends the epoch."""
-        with self._bucket_lock:
-            self._bucket_sweep_queued = False
-        self._in_background("the sweep of the bucket after a save", lambda: collect(self, None, wait=BUCKET_SWEEP_WAIT))
+    def _reclaim(self) -> None:
+        """After a recode superseded copies, or retention removed checkpoints, give the space
+        back with no `cas gc`, on the recode thread. A folder: rewrite its packs, most dead
+        first, until dead bytes are at most gc's MAX_UNUSED of the live ones (a recode's own
+        compaction rewrites only packs under half live). A bucket: one gc epoch (its sweep), so
+        it holds what a store without deltas would or less. That waits a moment for saves in
+        progress (this host's next one, other hosts'); past that its packs stay doomed and the
+        sweep after a later save, or `cas gc`, ends the epoch."""
+        with self._reclaim_lock:
+            self._reclaim_queued = False
+        if self.location.local:
+            self._in_background("rewriting packs for space after a save", lambda: compact_packs(self, GcReport()))
+        else:
+            self._in_background("the sweep of the bucket after a save",
+                                lambda: collect(self, None, wait=BUCKET_SWEEP_WAIT))
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
@@ -252,11 +254,10 @@ class Store(CheckpointStore):
                 # the recode thread, at low priority, after the recodes queued now, and so does a
                 # bucket's sweep (it waits for other hosts' saves)
                 report = collect(self, self.retention, sweep_objects=not bucket, space_budget=False)
-                if bucket and report.removed:
-                    self._queue_bucket_sweep()
-                elif not bucket:
-                    self.after_recodes(self._sweep_after_recodes if report.objects_held or report.packs_held
-                                       else self._compact_for_space)
+                if not bucket and (report.objects_held or report.packs_held):
+                    self.after_recodes(self._sweep_after_recodes)
+                elif report.removed or not bucket:
+                    self._queue_reclaim()
             except Exception as exc:  # noqa: BLE001 - OSError, LMDB's errors, ours: the step is committed whatever
                 warnings.warn(f"cas: step {ck.step} is committed, but the retention gc after it failed "
                               f"({type(exc).__name__}: {exc}); the next save's gc tries again",

@@ -230,7 +230,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
 
     def wait(self) -> None:
         """Block until every in-flight save is done, and the re-encoding of the checkpoints they
-        replaced as deltas (store/recode.py); raise a failure nobody has looked at."""
+        replaced as deltas (store/recode.py) with the gc queued after it (a bucket's sweep);
+        raise a failure nobody has looked at."""
         self._background.wait()
         self.wait_recoding()
         self._raise_unobserved()

@@ -250,6 +250,9 @@ def test_dcp_saves_into_a_bucket_are_recoded_by_the_coordinator(s3_url, tmp_path
         target = {k: torch.zeros_like(v) for k, v in drifting(step).items()}
         cdcp.load(target, s3_url, step, no_dist=True, cache_dir=str(tmp_path / f"reader{step}"))
         assert_same(target, drifting(step))
+    with host(s3_url, tmp_path, "gc") as store:  # each save's sweep ran as the store it opened closed
+        before = bucket_bytes(store)
+        assert store.gc().reclaimed_bytes <= MAX_UNUSED * before
 
 
 @pytest.mark.parametrize("due", ["recode", "gc intent", "gc delete"])
