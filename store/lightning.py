@@ -49,6 +49,7 @@ import contextlib
 import datetime
 import io
 import os
+import threading
 import re
 import warnings
 import zipfile
@@ -333,6 +334,11 @@ class CasCheckpointIO(CheckpointIO):
         to open one at, with cas.open's `options` (retention= included)."""
         self.store, _ = given_or_opened(store, **options)
         self._run: dict[int, int] = {}  # this run's saves: Lightning's global step -> the store's step
+        # paths removed while nothing was there yet: Lightning's AsyncCheckpointIO queues saves on
+        # a thread but removes at once, so save_top_k removes a path whose save has not run; that
+        # save, when it runs, is skipped (it wrote a marker and a checkpoint nobody kept, for good)
+        self._removed_unsaved: set[str] = set()
+        self._removed_lock = threading.Lock()
 
     # --- CheckpointIO ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -344,6 +350,8 @@ class CasCheckpointIO(CheckpointIO):
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
         path = _where(path)
+        if self._removed_early(path):
+            return
         cks = self.store.checkpoints()
         previous = self._named(path, cks)
         step, kept = self._place(global_step, path, cks)
@@ -354,6 +362,15 @@ class CasCheckpointIO(CheckpointIO):
             write_marker(named, self.store, ck)
         if previous is not None and previous.step != step:
             self._delete_if_unnamed(previous)
+        if self._removed_early(path):  # removed while this save ran, before its marker was there
+            self.remove_checkpoint(path)
+
+    def _removed_early(self, path: str) -> bool:
+        """Whether `path` was removed before its save put anything there (and forget it)."""
+        with self._removed_lock:
+            removed = path in self._removed_unsaved
+            self._removed_unsaved.discard(path)
+            return removed
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """The checkpoint dict stored for `path`; tensors on CPU unless map_location is a device."""
@@ -366,11 +383,15 @@ class CasCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         """Delete the marker at `path` (or Lightning's link there), then the checkpoint it named
-        if no other marker names it. Any other file there is left alone."""
+        if no other marker names it. Any other file there is left alone. Nothing there yet: the
+        save of `path` has not run (AsyncCheckpointIO's queue), and it is skipped when it does."""
         path = _where(path)
         ck = self._named(path, self.store.checkpoints())
         if os.path.islink(path) or _is_marker(path):
             _remove_file(path)
+        elif _read_file(path) is None:
+            with self._removed_lock:
+                self._removed_unsaved.add(path)
         if ck is not None:
             self._delete_if_unnamed(ck)
 
@@ -378,6 +399,8 @@ class CasCheckpointIO(CheckpointIO):
         """The run ended (Lightning calls this after fit): a later save at one of its steps is
         another run's."""
         self._run.clear()
+        with self._removed_lock:
+            self._removed_unsaved.clear()
 
     # --- paths and steps ------------------------------------------------------------------
     @staticmethod

@@ -352,3 +352,39 @@ def test_a_plugin_handed_a_path_opens_the_store_as_cas_open_does(tmp_path):
                            tmp_path / "d" / f"epoch=0-step={step}.ckpt")
     assert isinstance(io.store, cas.Store) and [ck.step for ck in io.store.checkpoints()] == [2, 3]
     io.close()
+
+
+def test_async_checkpoint_io_with_save_top_k_leaves_only_the_kept_checkpoints(tmp_path):
+    """Lightning's AsyncCheckpointIO queues saves on a thread but removes at once: with
+    save_top_k, ModelCheckpoint removes a path whose save has not run yet. Before, that save
+    then wrote its marker and checkpoint after their removal, and they stayed for good."""
+    import threading
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from cas import faults
+
+    gate = str(tmp_path / "gate")
+    faults.configure(f"save.planned=pause:{gate}@1")  # the first save waits while training goes on
+
+    def release() -> None:
+        while not os.path.exists(gate + ".reached"):
+            threading.Event().wait(0.01)
+        threading.Event().wait(1.0)  # later checkpoints are queued, and the first one's path removed
+        open(gate, "w").close()
+    opener = threading.Thread(target=release, daemon=True)
+    opener.start()
+    d = tmp_path / "ckpts"
+    io = CasCheckpointIO(tmp_path / "store")
+    try:
+        torch.manual_seed(0)
+        t = trainer(3, AsyncCheckpointIO(io), dirpath=d, save_top_k=1, every_n_train_steps=2)
+        t.fit(Tiny(), loader())
+    finally:
+        faults.configure("")
+        open(gate, "w").close()
+        opener.join()
+    kept = t.checkpoint_callback.best_model_path
+    assert sorted(os.listdir(d)) == [os.path.basename(kept)]
+    assert [ck.step for ck in io.store.checkpoints()] == [io.step_for(kept)]
+    io.close()
