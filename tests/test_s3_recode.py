@@ -384,3 +384,37 @@ def test_a_host_that_fell_behind_catches_up_over_gc_rewrites_of_delta_chains(s3_
             for step in expected:
                 assert_same(store.load(step), audit_state(step))
             assert store.verify().ok
+
+
+def test_a_sweep_waits_for_no_save_of_its_own_store_and_runs_after_it(s3_url, tmp_path):
+    """save_async back to back: the sweep after a recode would find this store's next save in
+    flight, wait on its lease and leave its epoch pending (an intent entry, its packs doomed);
+    it runs after that save instead, and by wait() the bucket holds no whole copy a recode
+    superseded."""
+    import time
+
+    from cas import faults
+
+    gate = str(tmp_path / "gate")
+    with host(s3_url, tmp_path, "a") as store:
+        faults.configure(f"save.chunks_written=pause:{gate}@3")  # step 2's save stays in flight
+        try:
+            store.save_async(drifting(0), step=0)
+            store.save_async(drifting(1), step=1)
+            store.save_async(drifting(2), step=2)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate + ".reached") or store._recoder.busy():
+                assert time.monotonic() < deadline, "step 2's save never paused, or the recode never ended"
+                time.sleep(0.02)
+            assert any(b is not None for b in chunk_bases(store, 0))  # step 0 recoded meanwhile
+            assert not [e.seq for e in store.log() if e.gc], [(e.seq, e.why) for e in store.log()]
+        finally:
+            open(gate, "w").close()
+            faults.configure("")
+        store.wait()
+        assert [e.why for e in store.log() if e.gc][-2:] == ["gc intent", "gc delete"]
+        for step in range(3):
+            assert_same(store.load(step), drifting(step))
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert fresh.verify().ok
+        assert fresh.gc().reclaimed_bytes == 0  # nothing left over
