@@ -22,11 +22,13 @@ the next gc, dooming the same dead packs, settles it) or a delete whose packs ar
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 
 from cas import faults
 from cas.errors import CasError, CorruptionError, MissingObjectError
+from cas.fsutil import host_tag
 from cas.index import WHERE_PACK
 from cas.objectstore import LEASE_PREFIX
 from cas.pools import Pool
@@ -39,6 +41,7 @@ REWRITE_BELOW = 0.5  # a pack whose live bytes are under this share of it is rew
 # supersedes a save's whole chunks in place, leaving its segments anywhere from all dead to
 # mostly live, and the half-live rule alone kept 1.07x the bytes of a store without deltas.
 MAX_UNUSED = 0.05
+GC_LOCK = "locks/gc"  # the lease a bucket's gc epoch holds: one epoch at a time
 MAX_ROUNDS = 50  # delete entries retried after other hosts committed meanwhile (each round marks only their commits)
 POLL_SECONDS = 0.25
 READ_THREADS = 16
@@ -53,6 +56,42 @@ def sweep_bucket(store, report, marker_type, *, dry_run: bool, ignore_roots: set
     """One gc epoch over a bucket store (see the module docstring). `wait`: how long to wait for
     other hosts' saves (default: their lease ttl and a margin); past it the epoch stays pending
     and `report.deferred` says so."""
+    if dry_run:
+        return _epoch(store, report, marker_type, dry_run=True, ignore_roots=ignore_roots, progress=progress,
+                      wait=wait, lock=None)
+    lock = _one_gc_at_a_time(store.backend, wait)
+    if lock is None:
+        report.deferred = ("another host's gc is running (only one at a time: two epochs at once deleted each "
+                           "other's survivors); the next gc does this one's work")
+        return None
+    try:
+        return _epoch(store, report, marker_type, dry_run=False, ignore_roots=ignore_roots, progress=progress,
+                      wait=wait, lock=lock)
+    finally:
+        lock.release()
+
+
+def _one_gc_at_a_time(backend, wait: float | None):
+    """Take the bucket's gc lock (a lease, GC_LOCK), waiting as long as a gc waits for writers;
+    None when another host's gc holds it all that time. Saves never take it: only gc epochs
+    exclude each other (restic's prune takes an exclusive lock too). Two at once each trusted a
+    copy the other was deleting (audit of stop 35: a committed checkpoint lost)."""
+    deadline = time.monotonic() + (wait if wait is not None else getattr(backend, "lease_ttl", 60.0) + 5.0)
+    info = f"{host_tag()} {os.getpid()}".encode()
+    while True:
+        try:
+            return backend.lease(GC_LOCK, info)
+        except CasError:
+            if backend.lease_alive(GC_LOCK) is False:  # its holder stopped renewing it: gone
+                backend.delete(GC_LOCK)
+                continue
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_SECONDS)
+
+
+def _epoch(store, report, marker_type, *, dry_run: bool, ignore_roots: set[bytes], progress,
+           wait: float | None, lock) -> None:
     t0 = time.perf_counter()
     if not dry_run:
         report.leases_reaped += _reap_expired(store.backend)
@@ -75,11 +114,13 @@ def sweep_bucket(store, report, marker_type, *, dry_run: bool, ignore_roots: set
         return
     if doomed:
         epoch = secrets.token_bytes(16)
-        moved = _rewrite_and_intend(store, epoch, doomed, moves)
+        _rewrite_and_intend(store, epoch, doomed, moves)
         faults.point("gc.intent_logged")
         report.deferred = _wait_for_writers(store, wait)
+        if report.deferred is None and lock.lost.is_set():  # paused past its ttl: another gc may run
+            report.deferred = "this gc lost its lock (it was paused past its lease); the next gc ends its epoch"
         if report.deferred is None:
-            deleted = _delete_epoch(store, report, marker, epoch, doomed, moved, progress)
+            deleted = _delete_epoch(store, report, marker, epoch, doomed, progress)
             report.packs_removed = len(deleted - set(moves))
             report.packs_rewritten = len(deleted & set(moves))
             report.reclaimed_bytes = sum(sizes[p] for p in deleted) - sum(
@@ -146,10 +187,9 @@ def _dead_records(store, doomed: set[bytes], live: set[bytes]) -> int:
                    if rec.where == WHERE_PACK and rec.pack in doomed and key not in live)
 
 
-def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) -> set[bytes]:
+def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) -> None:
     """Copy the live entries of the packs to rewrite into new packs, then commit the intent
-    entry naming the doomed packs and the new ones, in one session. Returns the keys copied."""
-    moved: set[bytes] = set()
+    entry naming the doomed packs and the new ones, in one session."""
     with store.objects.session("gc rewrite") as session:
         session.hold([key for recs in moves.values() for key, _ in recs])
         for pack, recs in moves.items():
@@ -159,11 +199,9 @@ def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) ->
                 except CorruptionError:
                     continue  # damaged: verify's business; the pack then keeps it (see _rescued)
                 session.write_encoded(key, blob, rec)
-                moved.add(key)
         seq = session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
             txn, "gc intent", [], gc=gc_step("intent", epoch, doomed, session.packs_written())))
     _snapshot_if_due(store, seq)
-    return moved
 
 
 def _snapshot_if_due(store, seq: int) -> None:
@@ -203,7 +241,7 @@ def _wait_for_writers(store, wait: float | None) -> str | None:
         time.sleep(POLL_SECONDS)
 
 
-def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], moved: set[bytes], progress) -> set[bytes]:
+def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progress) -> set[bytes]:
     """Mark the commits made since the first mark, append the delete entry naming the doomed
     packs that hold nothing live and uncopied, then delete them; returns those deleted."""
     listed = _footers(store.objects.packs, sorted(doomed))
@@ -217,7 +255,7 @@ def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], moved
         marker.mark(new_roots, progress)
         marker.follow_current_bases()  # a recode another host committed meanwhile: new base edges
         with store.index.read() as txn:
-            kept = {p: _needed(store.index, txn, p, listed.get(p), marker.live, moved) for p in doomed}
+            kept = {p: _needed(store.index, txn, p, listed.get(p), marker.live) for p in doomed}
         deletable = {p for p, needed in kept.items() if needed is not True}
         survivors = set().union(*(kept[p] for p in deletable)) - deletable
         step = gc_step("delete", epoch, deletable, survivors, settles=settles)
@@ -252,9 +290,10 @@ def _footers(packs, names: list[bytes]) -> dict:
         return dict(zip(names, pool.map(one, names))) if names else {}
 
 
-def _needed(index, txn, pack: bytes, listed, live: set[bytes], moved: set[bytes]):
-    """True when a doomed pack must stay: it holds a live object that was not copied out and
-    that the index finds nowhere else (a save reused it before its host folded the intent), or
+def _needed(index, txn, pack: bytes, listed, live: set[bytes]):
+    """True when a doomed pack must stay: it holds a live object that the index, as the log
+    stands now, finds nowhere else (a save reused it before its host folded the intent; a
+    recode's copy adopted over this gc's own, which another gc then deleted), or
     its footer cannot be read (damage is verify's business). Else the set of other packs that
     hold its live objects (the delete entry names them, so a host whose cache finds an object
     in this pack learns where else it is), empty for a pack of dead objects or one already gone."""
@@ -263,8 +302,8 @@ def _needed(index, txn, pack: bytes, listed, live: set[bytes], moved: set[bytes]
     if listed is None or isinstance(listed, Exception):
         return True
     elsewhere = set()
-    for e in listed:
-        if e.key not in live or e.key in moved:
+    for e in listed:  # (a key this gc copied too: another host's epoch may have deleted the copy)
+        if e.key not in live:
             continue
         rec = index.record(txn, e.key)
         if rec is None or rec.where != WHERE_PACK or rec.pack == pack:

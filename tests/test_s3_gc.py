@@ -225,6 +225,56 @@ def test_two_gcs_rewriting_one_pack_at_once_lose_nothing(s3_url, tmp_path):
         assert_same(fresh.load(2), kept)
 
 
+def test_a_gc_racing_another_hosts_recode_and_its_sweep_loses_nothing(s3_url, tmp_path, monkeypatch):
+    """Audit of stop 35. B's recode of step 1 has written its pack and waits before its log
+    entry; A's gc, which does not know that pack, dooms it and copies chunk c (live, in a
+    half-dead pack) whole into a pack of its own; B's recode commits, B's hosts read c through
+    it, and B's sweep after the save dooms A's copy. Before, both epochs ran at once: B deleted
+    A's copy, naming the recode's as the survivor, and A, trusting the copy it had made, deleted
+    the recode's: c was gone on every host. Now one gc epoch runs at a time in a bucket, and a
+    gc keeps any doomed pack the index, as the log stands, still reads a live object from."""
+    from cas import faults
+
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "20")
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(64, 256, generator=g)
+    xs = {f"x{i}": torch.randn(64, 256, generator=g) for i in range(3)}
+    c2 = c + 1e-3 * torch.randn(64, 256, generator=g)
+    gate = str(tmp_path / "gate")
+    with host(s3_url, tmp_path, "b") as b, host(s3_url, tmp_path, "a") as a:
+        b.save({"c": c, **xs}, step=0)
+        b.save({"c": c}, step=1)
+        b.wait()
+        b.delete(0)  # step 0's pack: c live, the rest dead
+        faults.configure(f"recode.in_txn=pause:{gate}")
+        try:
+            b.save({"c": c2}, step=2)  # its recode of step 1 writes its pack and waits
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate + ".reached"):
+                assert time.monotonic() < deadline, "the recode never paused"
+                time.sleep(0.02)
+            faults.configure("")
+            reports: list = []
+            gc = threading.Thread(target=lambda: reports.append(a.gc()))
+            gc.start()
+            while last_gc_phase(a) != "intent":
+                assert time.monotonic() < deadline and gc.is_alive(), "A's gc never logged its intent"
+                time.sleep(0.05)
+        finally:
+            open(gate, "w").close()
+            faults.configure("")
+        gc.join(timeout=120)
+        b.wait()
+        assert reports and reports[0].deferred is None, reports
+        for store in (a, b):
+            assert_same(store.load(1), {"c": c})
+            assert_same(store.load(2), {"c": c2})
+            assert store.verify().ok
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert_same(fresh.load(1), {"c": c})
+        assert fresh.verify().ok
+
+
 def test_a_writer_paused_past_its_lease_fails_and_commits_nothing(s3_url, tmp_path, monkeypatch):
     """B reuses the objects of checkpoint 1 and is stopped (SIGSTOP: its lease is not renewed);
     gc waits out the lease, deletes them, and B, resumed, finds that out before its commit."""
