@@ -116,6 +116,14 @@ class Store(CheckpointStore):
         self.wait_recoding()  # what this process re-encodes is swept with the rest, not left behind
         return collect(self, retention, dry_run=dry_run, progress=progress)
 
+    def delete(self, steps) -> list[Checkpoint]:
+        """Remove checkpoints; in a bucket their space then comes back as after retention, in
+        the sweep on the recode thread (`cas rm` waits for it as it closes the store)."""
+        removed = super().delete(steps)
+        if removed and not self.location.local:
+            self._queue_reclaim()
+        return removed
+
     def pin(self, step: int) -> Checkpoint:
         return self.set_pinned(step, True)
 

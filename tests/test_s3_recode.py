@@ -165,6 +165,19 @@ def test_retention_in_a_bucket_gives_the_space_back_with_no_gc(s3_url, tmp_path,
         assert fresh.verify().ok
 
 
+def test_a_delete_in_a_bucket_gives_the_space_back_with_no_gc(s3_url, tmp_path):
+    states = adamw_series(3)
+    with host(s3_url + "/all", tmp_path, "a", delta=False) as store, \
+            host(s3_url + "/one", tmp_path, "o", delta=False) as one:
+        for step, st in enumerate(states):
+            store.save(st, step=step)
+        one.save(states[2], step=2)
+        store.delete([0, 1])
+        store.wait()
+        assert bucket_bytes(store) <= (1 + MAX_UNUSED) * bucket_bytes(one), (bucket_bytes(store), bucket_bytes(one))
+        assert_same(store.load(2), states[2])
+
+
 def test_trained_model_resumes_exactly_from_a_bucket_with_deltas(s3_url, tmp_path):
     model = tiny_model(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
