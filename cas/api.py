@@ -43,7 +43,6 @@ class Store(CheckpointStore):
         self._compact_later: set[bytes] = set()  # packs a recode's compaction had to leave (after_recode)
         # the work that gives space back after a recode or retention is queued (_reclaim)
         self._reclaim_queued = False
-        self._reclaim_wanted = False  # a bucket's sweep left for after this process's save in flight
         self._reclaim_lock = threading.Lock()
         self.mirror: Mirror | None = None
         if mirror is not None:
@@ -240,25 +239,17 @@ class Store(CheckpointStore):
         compaction rewrites only packs under half live). A bucket: one gc epoch (its sweep), so
         it holds what a store without deltas would or less. That waits a moment for saves in
         progress (other hosts'); past that its packs stay doomed and the sweep after a later
-        save, or `cas gc`, ends the epoch. While a save of this store is in flight (save_async
-        back to back) it does not run (it would wait on that save's lease, then leave its epoch
-        pending): it runs after that save's commit, or at wait() or close()."""
+        save, or `cas gc`, ends the epoch. It first waits for this store's saves in flight
+        (save_async back to back): their leases would hold it past its wait, and the recode
+        thread has nothing to do before their commits anyway."""
         with self._reclaim_lock:
             self._reclaim_queued = False
-            self._reclaim_wanted = not self.location.local and bool(self._background.steps)
-            if self._reclaim_wanted:
-                return
         if self.location.local:
             self._in_background("rewriting packs for space after a save", lambda: compact_packs(self, GcReport()))
         else:
+            self._background.wait()
             self._in_background("the sweep of the bucket after a save",
                                 lambda: collect(self, None, wait=BUCKET_SWEEP_WAIT))
-
-    def wait_recoding(self) -> None:
-        super().wait_recoding()
-        if self._reclaim_wanted and not self._background.steps and not self._closed:
-            self._queue_reclaim()  # (left while a save was in flight)
-            super().wait_recoding()
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Retention after every committed save. A gc that fails here (damage it refuses to sweep
@@ -268,8 +259,6 @@ class Store(CheckpointStore):
         if self.mirror is not None:
             self.mirror.notify()
         bucket = not self.location.local
-        if self._reclaim_wanted:
-            self._queue_reclaim()
         if self.retention is not None and not self._retention_paused:
             try:
                 # on the save's path only what is cheap; the rewrites for space (gc's 5% rule) go to
