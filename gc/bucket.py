@@ -3,15 +3,18 @@ save waits on (docs/architecture.md, "Stores in a bucket", has the protocol and 
 
 In a bucket every object is in a pack, and hosts share nothing but the bucket: no LMDB writer
 lock orders a sweep against a claim. The record log does instead, since every entry is created
-create-only in one sequence. One gc epoch:
+create-only in one sequence. One gc epoch at a time holds the bucket's gc lock (GC_LOCK, a
+lease saves never take) from its mark to its delete entry: two at once each trusted a copy the
+other deleted (stop 35). One gc epoch:
 1. mark from a cache proven current; doom every pack with no live entry, and every pack whose
    live entries are under REWRITE_BELOW of its bytes after copying those into new packs;
 2. append an *intent* entry naming the doomed packs and the new ones: a host that folds it
    indexes the copies and stops relying on the doomed packs (its writers store their own
    copies), and every writer folds the log before it claims anything;
 3. wait until every writer lease listed after the intent has ended or expired;
-4. mark again from the log (the waited-for saves' commits) and keep any doomed pack that holds
-   an object now live and not copied (a save that reused it before it folded the intent);
+4. mark again from the log (the waited-for saves' commits) and keep any doomed pack that the
+   caught-up index still reads a live object from (a save that reused it before it folded the
+   intent; a recode's copy adopted over this gc's own);
 5. append a *delete* entry naming the rest, then delete them. A writer that appends after it
    and relied on one of them (only one paused past its lease's expiry) finds it when it folds
    the entry and fails, nothing committed (cas.objectstore WriteSession.check_nothing_lost).
@@ -243,7 +246,7 @@ def _wait_for_writers(store, wait: float | None) -> str | None:
 
 def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progress) -> set[bytes]:
     """Mark the commits made since the first mark, append the delete entry naming the doomed
-    packs that hold nothing live and uncopied, then delete them; returns those deleted."""
+    packs the index reads nothing live from, then delete them; returns those deleted."""
     listed = _footers(store.objects.packs, sorted(doomed))
     for _ in range(MAX_ROUNDS):
         store.ensure_cache()
