@@ -204,15 +204,7 @@ def _rewrite_and_intend(store, epoch: bytes, doomed: set[bytes], moves: dict) ->
                 session.write_encoded(key, blob, rec)
         seq = session.commit(lambda txn: store.registry.commit(  # the session's new packs are written by now
             txn, "gc intent", [], gc=gc_step("intent", epoch, doomed, session.packs_written())))
-    _snapshot_if_due(store, seq)
-
-
-def _snapshot_if_due(store, seq: int) -> None:
-    """A gc entry that lands on a snapshot's sequence number takes the snapshot, as a save's or
-    a recode's does (with a sweep after every save, every fourth entry or so is a gc's)."""
-    if snapshots.due(seq):
-        with store.index.read() as txn:
-            snapshots.take(store, txn)
+    snapshots.take_if_due(store, seq)
 
 
 def _reap_expired(backend) -> int:
@@ -272,7 +264,7 @@ def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progr
         except _Moved:
             continue
         faults.point("gc.delete_logged")
-        _snapshot_if_due(store, seq)
+        snapshots.take_if_due(store, seq)
         for pack in sorted(deletable):
             store.objects.packs.delete(pack)
         return deletable

@@ -49,8 +49,8 @@ import contextlib
 import datetime
 import io
 import os
-import threading
 import re
+import threading
 import warnings
 import zipfile
 from collections import OrderedDict

@@ -79,6 +79,14 @@ def due(seq: int) -> bool:
     return seq > 0 and seq % SNAPSHOT_EVERY == 0
 
 
+def take_if_due(store, seq: int) -> None:
+    """After this host's log entry `seq` is in its cache: snapshot the cache when the entry
+    lands on a snapshot's sequence number, whatever made it (a save, a recode, a gc step)."""
+    if not store.location.local and due(seq):
+        with store.index.read() as txn:
+            take(store, txn)
+
+
 def offer(store, txn) -> None:
     """After a full rebuild of a bucket store's cache: snapshot it when the newest snapshot is
     SNAPSHOT_EVERY or more entries behind (so the next fresh host has less to read)."""

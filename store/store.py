@@ -308,9 +308,10 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         host then indexes the moved copies; store/recode.py, Recoder). As a save's commit, it
         fails, nothing committed, if a gc on another host deleted what the session relies on."""
         packs = session.packs_written()
-        if packs and snapshots.due(self.registry.commit(txn, "recode", [], recoded=packs,
-                                                        check=session.check_nothing_lost)):
-            self._recoder.then(self._take_snapshot)  # once this commit is in the cache
+        if packs:
+            seq = self.registry.commit(txn, "recode", [], recoded=packs, check=session.check_nothing_lost)
+            if snapshots.due(seq):  # taken once this commit is in the cache
+                self._recoder.then(lambda: snapshots.take_if_due(self, seq))
 
     def _latest_recode_bases(self) -> dict[str, delta_bases.TensorBases]:
         """For the first save after the store was opened: the latest checkpoint's chunk keys with
@@ -418,13 +419,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
             except Exception:  # noqa: BLE001 - still failing: the next open rebuilds it
                 pass
             return logged[0]
-        if not self.location.local and snapshots.due(ck.seq):
-            self._take_snapshot()
+        snapshots.take_if_due(self, ck.seq)
         return ck
-
-    def _take_snapshot(self) -> None:
-        with self.index.read() as txn:
-            snapshots.take(self, txn)
 
     def after_commit(self, ck: Checkpoint) -> None:
         """Called after every committed save (DCP's too); the public store applies retention here."""
