@@ -15,12 +15,14 @@ other deleted (stop 35). One gc epoch:
 4. mark again from the log (the waited-for saves' commits) and keep any doomed pack that the
    caught-up index still reads a live object from (a save that reused it before it folded the
    intent; a recode's copy adopted over this gc's own);
-5. append a *delete* entry naming the rest, then delete them. A writer that appends after it
-   and relied on one of them (only one paused past its lease's expiry) finds it when it folds
-   the entry and fails, nothing committed (cas.objectstore WriteSession.check_nothing_lost).
+5. append a *delete* entry naming the rest and ending every other epoch left pending, then
+   delete them. A writer that appends after it and relied on one of them (only one paused past
+   its lease's expiry) finds it when it folds the entry and fails, nothing committed
+   (cas.objectstore WriteSession.check_nothing_lost). A gc that finds its lock lost or its
+   epoch ended by another (it was paused past its lease) appends no delete.
 A crash leaves an intent without its delete (its packs stay doomed: writers store copies, and
-the next gc, dooming the same dead packs, settles it) or a delete whose packs are not all gone
-(no record names them any more: the next gc finds them dead and deletes them).
+the next gc's delete entry ends the epoch, even when it dooms nothing) or a delete whose packs
+are not all gone (no record names them any more: the next gc finds them dead and deletes them).
 """
 
 from __future__ import annotations
@@ -115,20 +117,18 @@ def _epoch(store, report, marker_type, *, dry_run: bool, ignore_roots: set[bytes
                                                                   for _, rec in recs)
         report.objects_swept = _dead_records(store, doomed, marker.live)
         return
+    epoch = secrets.token_bytes(16)
     if doomed:
-        epoch = secrets.token_bytes(16)
         _rewrite_and_intend(store, epoch, doomed, moves)
         faults.point("gc.intent_logged")
         report.deferred = _wait_for_writers(store, wait)
-        if report.deferred is None and lock.lost.is_set():  # paused past its ttl: another gc may run
-            report.deferred = "this gc lost its lock (it was paused past its lease); the next gc ends its epoch"
-        if report.deferred is None:
-            deleted = _delete_epoch(store, report, marker, epoch, doomed, progress)
-            report.packs_removed = len(deleted - set(moves))
-            report.packs_rewritten = len(deleted & set(moves))
-            report.reclaimed_bytes = sum(sizes[p] for p in deleted) - sum(
-                rec.stored_size for p in deleted & set(moves) for _, rec in moves[p])
-            report.freed_bytes = report.reclaimed_bytes
+    if report.deferred is None and (doomed or _pending_epochs(store, epoch)):
+        deleted = _delete_epoch(store, report, marker, epoch, doomed, progress, lock)
+        report.packs_removed = len(deleted - set(moves))
+        report.packs_rewritten = len(deleted & set(moves))
+        report.reclaimed_bytes = sum(sizes[p] for p in deleted) - sum(
+            rec.stored_size for p in deleted & set(moves) for _, rec in moves[p])
+        report.freed_bytes = report.reclaimed_bytes
     if report.deferred is None:
         snapshots.prune(store)
         store.backend.clean_tmp()
@@ -236,16 +236,22 @@ def _wait_for_writers(store, wait: float | None) -> str | None:
         time.sleep(POLL_SECONDS)
 
 
-def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progress) -> set[bytes]:
+def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progress, lock) -> set[bytes]:
     """Mark the commits made since the first mark, append the delete entry naming the doomed
-    packs the index reads nothing live from, then delete them; returns those deleted."""
+    packs the index reads nothing live from and ending every other pending epoch, then delete
+    them; returns those deleted (none when this gc lost its lock or its epoch meanwhile)."""
     listed = _footers(store.objects.packs, sorted(doomed))
     for _ in range(MAX_ROUNDS):
         store.ensure_cache()
         with store.index.read() as txn:
             generation = store.index.generation(txn)
             new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
-            settles = _settled_epochs(store.index, txn, epoch, doomed)
+            settles = _other_epochs(store.index, txn, epoch)
+            ended = doomed and not any(other == epoch for _, other in store.index.doomed_packs(txn))
+        if lock.lost.is_set() or ended:  # paused past its ttl: another gc may have run, or be running
+            report.deferred = ("this gc lost its lock (it was paused past its lease)" if lock.lost.is_set() else
+                               "another gc ended this gc's epoch (this one was paused past its lease)")
+            return set()
         marker.generation = generation
         marker.mark(new_roots, progress)
         marker.follow_current_bases()  # a recode another host committed meanwhile: new base edges
@@ -307,11 +313,16 @@ def _needed(index, txn, pack: bytes, listed, live: set[bytes]):
     return elsewhere
 
 
-def _settled_epochs(index, txn, epoch: bytes, doomed: set[bytes]) -> list[bytes]:
-    """Earlier epochs left pending (their gc crashed or gave up) whose packs this one dooms all
-    of: its delete entry ends them too."""
-    by_epoch: dict[bytes, set[bytes]] = {}
-    for pack, other in index.doomed_packs(txn):
-        if other != epoch:
-            by_epoch.setdefault(other, set()).add(pack)
-    return [e for e, packs in by_epoch.items() if packs <= doomed]
+def _other_epochs(index, txn, epoch: bytes) -> list[bytes]:
+    """The epochs other than `epoch` left pending (their gc crashed, gave up waiting, or lost its
+    lock): this one's delete entry ends them all. It holds the gc lock, so none of their gcs is
+    running unless paused past its lease, and such a gc appends no delete once it finds its
+    epoch ended; its doomed packs that this epoch does not delete are live again (a save reused
+    them before it folded the intent) or already gone, and stop being doomed, so writers reuse
+    them again instead of uploading copies."""
+    return sorted({other for _, other in index.doomed_packs(txn) if other != epoch})
+
+
+def _pending_epochs(store, epoch: bytes) -> bool:
+    with store.index.read() as txn:
+        return bool(_other_epochs(store.index, txn, epoch))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cas
+from cas.gc import Retention, collect
 from cas.store.records import RecordLog
 from cas.store.snapshots import SNAPSHOT_EVERY, snapshot_name
 from helpers import assert_same
@@ -151,6 +152,35 @@ def test_gc_while_another_host_saves_reusing_what_it_would_delete(s3_url, tmp_pa
         assert [ck.step for ck in a.checkpoints()] == [2, 3]
     with host(s3_url, tmp_path, "fresh") as fresh:
         assert fresh.verify().ok
+        assert_same(fresh.load(3), state(1))
+        assert_same(fresh.load(2), state(2))
+
+
+def test_the_next_gc_ends_an_epoch_left_pending_whose_doomed_packs_a_save_made_live(s3_url, tmp_path):
+    """A gc gives up waiting for B's save and leaves its epoch pending, the packs of checkpoint 1
+    doomed; B's save, which had reused them before the intent, commits. The next gc finds those
+    packs live and dooms nothing, yet ends the pending epoch: writers reuse the packs again
+    instead of uploading copies of everything in them (before, such marks stayed for good)."""
+    with host(s3_url, tmp_path, "a") as a:
+        b, gate = paused_reuser(a, s3_url, tmp_path)
+        pending = collect(a, Retention(keep_last=1), wait=0.5)
+        assert pending.deferred is not None, pending.to_json()
+        open(gate, "w").close()
+        out, err = b.communicate(timeout=120)
+        assert "committed" in out, err[-2000:]
+        a.ensure_cache()
+        with a.index.read() as txn:
+            assert a.index.doomed_packs(txn)  # checkpoint 1's packs, live again through checkpoint 3
+        report = a.gc()
+        assert report.deferred is None and report.packs_removed == 0, report.to_json()
+        with a.index.read() as txn:
+            assert a.index.doomed_packs(txn) == []
+        before = sum(pack_sizes(a).values())
+        a.save(state(1), step=4)  # the same tensors as checkpoint 3: nothing to upload but its manifest
+        assert sum(pack_sizes(a).values()) - before < 8 << 10
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [2, 3, 4] and fresh.verify().ok
+        assert_same(fresh.load(4), state(1))
         assert_same(fresh.load(3), state(1))
         assert_same(fresh.load(2), state(2))
 
@@ -303,6 +333,42 @@ def test_a_gc_killed_at_each_phase_loses_nothing_and_the_next_gc_finishes(s3_url
         assert_same(fresh.load(4), state(1))
         with fresh.index.read() as txn:
             assert not fresh.index.any_doomed(txn)  # the next gc settled the killed one's epoch
+    assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
+def test_a_gc_paused_past_its_lock_finds_its_epoch_ended_and_deletes_nothing(s3_url, tmp_path, monkeypatch):
+    """gc G logs its intent and is stopped past its gc lock's ttl; another gc takes the lock,
+    deletes the same dead packs and ends G's epoch; a save then writes those objects again.
+    Resumed, G appends no delete entry and nothing is lost."""
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "2")
+    with host(s3_url, tmp_path, "a") as a:
+        for step in (1, 2, 3):
+            a.save(state(step), step=step)
+        a.wait_recoding()  # (the sweeps after these saves end before G starts)
+        gate = str(tmp_path / "gate")
+        g = spawn(GC, s3_url, tmp_path / "cache-gc", env={"CAS_FAULTS": f"gc.intent_logged=pause:{gate}"})
+        wait_for(gate + ".reached", g)
+        os.kill(g.pid, signal.SIGSTOP)
+        try:
+            log = RecordLog(a.backend, a.path)
+            intent = log.read(log.last_seq()).gc
+            assert intent["phase"] == "intent"
+            open(gate, "w").close()
+            report = a.gc()  # waits out G's gc lock
+            assert report.deferred is None and report.packs_removed > 0, report.to_json()
+            a.save(state(1), step=4)
+        finally:
+            os.kill(g.pid, signal.SIGCONT)
+        out, err = g.communicate(timeout=120)
+        assert g.returncode == 0, err[-2000:]
+    steps = [e.gc for e in log.entries() if e.gc]
+    assert not [s for s in steps if s["epoch"] == intent["epoch"] and s["phase"] == "delete"]
+    with host(s3_url, tmp_path, "fresh") as fresh:
+        assert [ck.step for ck in fresh.checkpoints()] == [3, 4] and fresh.verify().ok
+        assert_same(fresh.load(3), state(3))
+        assert_same(fresh.load(4), state(1))
+        with fresh.index.read() as txn:
+            assert not fresh.index.any_doomed(txn)
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
 
 
