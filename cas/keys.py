@@ -208,11 +208,34 @@ def _scrypt_log_n() -> int:
     return value
 
 
+# the most a key blob's scrypt may ask for: $CAS_SCRYPT_LOG_N's largest n at SCRYPT_R (4 GiB),
+# and a few lanes; a blob asking more (planted, or damaged) is skipped, not run for minutes
+SCRYPT_MAX_MEMORY = 128 * SCRYPT_R << 22
+SCRYPT_MAX_P = 16
+
+
+def _unusable_kdf(body: dict) -> str | None:
+    """Why this cas will not run a key blob's KDF (None: it will): an unknown KDF (a newer cas's
+    blob) or scrypt parameters out of bounds. unlock skips such a blob and tries the others."""
+    kdf = body.get("kdf")
+    if kdf == "raw":
+        return None
+    if kdf != "scrypt":
+        return f"the KDF {kdf!r}, which this cas does not know"
+    n, r, p = body.get("n"), body.get("r"), body.get("p")
+    if not all(isinstance(v, int) and v > 0 for v in (n, r, p)) or n & (n - 1) or n < 2:
+        return f"scrypt parameters that are not valid (n={n!r}, r={r!r}, p={p!r})"
+    if 128 * r * n > SCRYPT_MAX_MEMORY or p > SCRYPT_MAX_P:
+        return f"scrypt parameters beyond this cas's bounds (n={n}, r={r}, p={p})"
+    return None
+
+
 def _kek(kind: str, secret: bytes, body: dict) -> bytes:
     if body["kdf"] == "raw":
         return secret if kind == "raw" else b""
-    if body["kdf"] != "scrypt":
-        raise CasError(f"a key of this store uses the KDF {body['kdf']!r}, which this cas does not know")
+    why = _unusable_kdf(body)
+    if why is not None:
+        raise CasError(f"a key of this store uses {why}")
     from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
     return Scrypt(salt=bytes(body["salt"]), length=32, n=int(body["n"]), r=int(body["r"]),
@@ -289,6 +312,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         raise WrongKeyError(f"the encrypted store at {where} has no keys left (keys/ is empty): it cannot be opened")
     tried_kdf: dict[tuple, bytes] = {}
     refused = []  # (key id, fields, KEK, user) of blobs whose wrapped key failed its tag
+    unusable = []  # (key id, why) of blobs whose KDF this cas will not run
     for key_id in ids:
         try:
             body, mended = _parse_key(backend.get(KEYS_PREFIX + key_id))
@@ -300,6 +324,10 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         user = ("raw", key.encode("utf-8")) if wants_raw and isinstance(key, KeyText) else as_given
         kind, secret = user
         if wants_raw != (kind == "raw"):
+            continue
+        why = _unusable_kdf(body)
+        if why is not None:
+            unusable.append((key_id, why))
             continue
         try:
             params = (body["kdf"], bytes(body.get("salt", b"")), body.get("n"), body.get("r"), body.get("p"))
@@ -317,8 +345,9 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         master = _mended_wrapping(body, kek, _key_aad(store_id, key_id), check)
         if master is not None:
             return StoreKeys(master, key_id, user, True)
+    skipped = "".join(f"; key {key_id} was not tried: it uses {why}" for key_id, why in unusable)
     raise WrongKeyError(f"the key given does not open the encrypted store at {where}: it is wrong, or it was "
-                        f"removed (cas key remove); the store has {len(ids)} key(s)")
+                        f"removed (cas key remove); the store has {len(ids)} key(s){skipped}")
 
 
 def _mended_wrapping(body: dict, kek: bytes, aad: bytes, check: bytes) -> bytes | None:

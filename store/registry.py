@@ -175,9 +175,12 @@ def fold_records(entries, where: str, upto: int | None = None) -> dict[int, Chec
 
 
 def differences(cached: Checkpoint, truth: Checkpoint) -> list[str]:
-    """The fields in which a cached checkpoint record differs from the record log's."""
+    """The fields in which a cached checkpoint record differs from the record log's, compared as
+    their msgpack bytes: a NaN metric (a diverged run's loss) is not == itself, but is the same
+    value in both records."""
     mine, theirs = msgpack.unpackb(_pack(cached), raw=False), msgpack.unpackb(_pack(truth), raw=False)
-    return sorted(f for f in mine.keys() | theirs.keys() if mine.get(f) != theirs.get(f))
+    return sorted(f for f in mine.keys() | theirs.keys()
+                  if msgpack.packb(mine.get(f)) != msgpack.packb(theirs.get(f)))
 
 
 def exists_error(step: int) -> CheckpointExistsError:

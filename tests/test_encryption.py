@@ -133,6 +133,29 @@ def test_two_keys_share_no_object_names_and_one_store_dedups(tmp_path):
             s.close()
 
 
+@pytest.mark.parametrize("body", [
+    {"kdf": "argon2id", "salt": b"s" * 16},  # a newer cas's blob
+    {"kdf": "scrypt", "n": 1 << 40, "r": 8, "p": 1, "salt": b"s" * 16},  # would ask for 128 TiB
+    {"kdf": "scrypt", "n": 1 << 10, "r": 1, "p": 1 << 22, "salt": b"s" * 16},  # would run for minutes
+    {"kdf": "scrypt", "n": "x", "r": 8, "p": 1, "salt": b"s" * 16},
+])
+def test_a_key_blob_whose_kdf_this_cas_will_not_run_is_skipped(tmp_path, body):
+    """A well-formed blob planted beside the real one, sorting first, with a KDF unknown or out of
+    bounds: the right key still opens the store, at once; a wrong key's error names the blob."""
+    from cas.bitrot import with_digest
+    from cas.keys import KEY_MAGIC
+
+    path = tmp_path / "s"
+    with cas.open(path, key="right") as store:
+        store.save({"w": torch.ones(4)}, step=1)
+    blob = dict(format=1, aead="aes-256-gcm", nonce=b"n" * 12, wrapped=b"w" * 48, created=1.0, **body)
+    (path / "keys" / "0000000000000000").write_bytes(with_digest(KEY_MAGIC, blob))
+    with cas.open(path, key="right") as store:
+        assert torch.equal(store.load(1)["w"], torch.ones(4))
+    with pytest.raises(WrongKeyError, match="key 0000000000000000 was not tried"):
+        cas.open(path, key="wrong")
+
+
 def test_key_errors_are_clear(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, key="right") as store:

@@ -137,6 +137,18 @@ def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_pa
     assert "\nUNSIGNED: " in bad.stdout and "\nok" not in bad.stdout  # the summary line does not read as a pass
 
 
+def test_a_nan_metric_or_meta_value_is_neither_damage_nor_a_broken_signature(tmp_path):
+    """A diverged run logs a NaN loss; NaN is not == itself, which made verify call the record in
+    the index different from the log's, and signature checks call it not the signed one."""
+    key = ed25519.Ed25519PrivateKey.generate()
+    with cas.open(tmp_path / "s", signing_key=key) as store:
+        store.save({"w": torch.ones(4)}, step=1, metrics={"loss": float("nan")}, meta={"lr": float("nan")})
+        assert store.verify().ok
+        assert store.verify_signatures(key.public_key()) == {}
+    ok = cli("verify", "--signatures", public_pem(key, tmp_path / "key.pub"), path=tmp_path / "s")
+    assert ok.returncode == 0 and "signatures ok" in ok.stdout, ok.stdout + ok.stderr
+
+
 def test_signatures_fail_where_the_index_serves_another_record_than_the_signed_one(tmp_path):
     """The signatures were checked against the record log, while `cas ls`/`show` and loads read
     the index: an index edited to show other metrics, meta or provenance passed the check."""
