@@ -138,6 +138,10 @@ class Backend(Protocol):
     def lease(self, name: str, info: bytes) -> Lease:
         """Take the lease `name` (a blob holding `info`) for as long as this process holds it."""
 
+    def take_over_lease(self, name: str, info: bytes) -> Lease | None:
+        """Take the lease `name` from a holder that is provably gone, atomically (of two takers
+        one wins); None when the holder lives, there is no such lease, or another took it."""
+
     def lease_alive(self, name: str) -> bool | None:
         """True while the lease's holder lives, False once it is provably gone (a dead holder's
         lease may then be reaped), None when there is no such lease."""

@@ -400,6 +400,9 @@ class EncryptedBackend:
     def lease(self, name: str, info: bytes):
         return self.inner.lease(name, info)
 
+    def take_over_lease(self, name: str, info: bytes):
+        return self.inner.take_over_lease(name, info)
+
     def lease_alive(self, name: str):
         return self.inner.lease_alive(name)
 

@@ -277,6 +277,23 @@ class LocalBackend:
             unlink_quietly(tmp)
         return FileLease(name, path, fd)
 
+    def take_over_lease(self, name: str, info: bytes) -> FileLease | None:
+        """The lease file's lock, taken where its holder is gone (the kernel let go of it), while
+        the file is still the one at its name; its content stays the old holder's."""
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:  # reaped and made anew meanwhile
+                raise BlockingIOError
+        except OSError:
+            os.close(fd)
+            return None
+        return FileLease(name, path, fd)
+
     def lease_alive(self, name: str) -> bool | None:
         return lock_held(self.path(name))
 

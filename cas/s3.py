@@ -501,6 +501,29 @@ class S3Backend:
             raise self._unexpected(f"PUT lease {name}", exc) from None
         return S3Lease(self, name, key, body, etag)
 
+    def take_over_lease(self, name: str, info: bytes) -> "S3Lease | None":
+        """Take lease `name` from a holder that stopped renewing it past its ttl, in one
+        compare-and-swap on the ETag judged dead (If-Match): of two hosts taking it over at
+        once one wins, and the old holder's next renewal fails and sets its `lost`. None when
+        the lease lives, is absent, or another host took it first. (Judging it dead, deleting
+        it and creating it anew let a second host, between the first's judgement and delete,
+        delete the lease the first had just taken: two gc epochs at once.)"""
+        from botocore.exceptions import ClientError
+
+        key, body = self.key(name), bytes(info)
+        head = self._head(key, f"HEAD lease {name}")
+        if head is None or judge(head, self.lease_ttl):
+            return None
+        try:
+            etag = self.call(f"PUT lease {name} over its dead holder's", lambda: self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=body, IfMatch=head["ETag"],
+                Metadata=lease_metadata(self.lease_ttl)))["ETag"]
+        except ClientError as exc:
+            if error_code(exc)[1] in (404, 412):
+                return None
+            raise self._unexpected(f"PUT lease {name}", exc) from None
+        return S3Lease(self, name, key, body, etag)
+
     def lease_alive(self, name: str) -> bool | None:
         """None when absent; else whether its last renewal is within its ttl, by the server's
         clock: LastModified against the same response's Date header (module docstring)."""

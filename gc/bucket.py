@@ -87,9 +87,9 @@ def _one_gc_at_a_time(backend, wait: float | None):
         try:
             return backend.lease(GC_LOCK, info)
         except CasError:
-            if backend.lease_alive(GC_LOCK) is False:  # its holder stopped renewing it: gone
-                backend.delete(GC_LOCK)
-                continue
+            taken = backend.take_over_lease(GC_LOCK, info)  # its holder stopped renewing it: gone
+            if taken is not None:
+                return taken
         if time.monotonic() >= deadline:
             return None
         time.sleep(POLL_SECONDS)

@@ -254,3 +254,26 @@ def test_a_reader_on_a_read_only_mount_reads_one_consistent_index_while_a_writer
         assert same.split()[0] == "True" and loaded == "True"
     finally:
         unmount(view)
+
+
+def test_a_lease_file_is_taken_over_only_once_its_holder_is_gone(tmp_path):
+    """The folder backend's take_over_lease: None while a live process holds the lease file's
+    lock, the lock once that process is killed (the kernel let go of it)."""
+    root = tmp_path / "store"
+    (root / "tmp").mkdir(parents=True)
+    code = ("import sys, time\nfrom cas.localfs import LocalBackend\n"
+            "lease = LocalBackend(sys.argv[1]).lease('locks/gc', b'holder')\nprint('held', flush=True)\ntime.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        backend = LocalBackend(str(root))
+        assert backend.lease_alive("locks/gc") is True and backend.take_over_lease("locks/gc", b"me") is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert backend.lease_alive("locks/gc") is False
+    taken = backend.take_over_lease("locks/gc", b"me")
+    assert taken is not None and backend.lease_alive("locks/gc") is True
+    assert backend.take_over_lease("locks/gc", b"again") is None
+    taken.release()
+    assert backend.lease_alive("locks/gc") is None

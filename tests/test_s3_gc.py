@@ -17,6 +17,7 @@ import torch
 
 import cas
 from cas.gc import Retention, collect
+from cas.gc.bucket import GC_LOCK
 from cas.store.records import RecordLog
 from cas.store.snapshots import SNAPSHOT_EVERY, snapshot_name
 from helpers import assert_same
@@ -370,6 +371,54 @@ def test_a_gc_paused_past_its_lock_finds_its_epoch_ended_and_deletes_nothing(s3_
         with fresh.index.read() as txn:
             assert not fresh.index.any_doomed(txn)
     assert_every_pack_holds_something_live(s3_url, tmp_path, "fresh2")
+
+
+LOCK_HOLDER = """
+import os, sys, time, cas
+from cas.gc.bucket import GC_LOCK
+with cas.open(sys.argv[1], cache_dir=sys.argv[2], chunk_size=64 << 10) as store:
+    lease = store.backend.lease(GC_LOCK, b"holder")
+    print("held", flush=True)
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.02)
+    lease.release()
+    print("released", flush=True)
+"""
+
+
+def test_a_dead_gc_lock_is_taken_over_by_one_host_and_its_old_holder_leaves_the_new_one(s3_url, tmp_path,
+                                                                                        monkeypatch):
+    """The gc lock's holder is stopped past its ttl. Two hosts judge it dead at once; only one
+    takes it over (a compare-and-swap on the ETag judged dead: judging, deleting and creating it
+    anew let the slower host delete the lock the faster one had just taken, an audit of stop 36).
+    The old holder, resumed, releases: the new holder's lock stays."""
+    monkeypatch.setenv("CAS_S3_LEASE_TTL", "1")
+    gate = str(tmp_path / "gate")
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, s3_url, str(tmp_path / "cache-h"), gate],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-2000:]
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        with host(s3_url, tmp_path, "a") as a, host(s3_url, tmp_path, "b") as b:
+            assert a.backend.take_over_lease(GC_LOCK, b"a") is None  # alive: not taken
+            deadline = time.monotonic() + 30
+            while a.backend.lease_alive(GC_LOCK):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            judged_dead = b.backend._head(b.backend.key(GC_LOCK), "HEAD")  # b judges it dead first ...
+            taken = a.backend.take_over_lease(GC_LOCK, b"a")  # ... a takes it over ...
+            monkeypatch.setattr(b.backend, "_head", lambda key, what: judged_dead)
+            assert taken is not None and b.backend.take_over_lease(GC_LOCK, b"b") is None  # ... b's swap fails
+            monkeypatch.undo()
+            open(gate, "w").close()
+            os.kill(holder.pid, signal.SIGCONT)
+            out, err = holder.communicate(timeout=60)
+            assert "released" in out, err[-2000:]
+            assert a.backend.lease_alive(GC_LOCK) is True and not taken.lost.is_set()
+            taken.release()
+            assert a.backend.lease_alive(GC_LOCK) is None
+    finally:
+        holder.kill()
 
 
 @pytest.mark.parametrize("phase", ["session.pack_written", "commit.synced"])
