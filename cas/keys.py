@@ -257,9 +257,35 @@ def key_blob(store_id: str, key_id: str, master: bytes, user: tuple[str, bytes])
         body = {"format": 1, "kdf": "scrypt", "n": 1 << log_n, "r": SCRYPT_R, "p": SCRYPT_P, "salt": os.urandom(16)}
         kek = _kek(kind, secret, body)
     nonce = os.urandom(12)
-    body.update(aead=AEAD_NAME, nonce=nonce, wrapped=aead_cipher(kek).encrypt(nonce, master, _key_aad(store_id, key_id)),
-                created=time.time())
+    wrapped = aead_cipher(kek).encrypt(nonce, master, _key_aad(store_id, key_id))
+    body.update(aead=AEAD_NAME, nonce=nonce, wrapped=wrapped, created=time.time(),
+                master_mac=_master_mac(master, key_id, wrapped))
     return with_digest(KEY_MAGIC, body)  # one damaged byte of it is undone, not a store lost
+
+
+def _master_mac(master: bytes, key_id: str, wrapped: bytes) -> bytes:
+    """Proof, to any holder of the master key, that keys/<key_id> wraps that master key (its
+    own user key is needed to unwrap it): remove_key counts only such blobs as keys that stay.
+    A blob left by a killed creation wraps another master key and opens nothing here."""
+    return blake3.blake3(key_id.encode() + b"\0" + bytes(wrapped), key=_hkdf(master, b"cas key blob v1")).digest()
+
+
+def _wraps_master(backend, master: bytes, key_id: str) -> bool:
+    """Whether keys/<key_id> is a key of the store whose master key this is: its master_mac
+    proves it; a blob from before master_mac (stop 36) cannot be told and counts; a blob that is
+    gone, unreadable or not a key blob does not."""
+    try:
+        body, _ = _parse_key(backend.get(KEYS_PREFIX + key_id))
+    except CorruptionError:
+        return False
+    if body is None:
+        return False
+    if "master_mac" not in body:
+        return True
+    try:
+        return secrets.compare_digest(bytes(body["master_mac"]), _master_mac(master, key_id, bytes(body["wrapped"])))
+    except (TypeError, ValueError):
+        return False
 
 
 def _parse_key(data) -> tuple[dict | None, bool]:
@@ -418,7 +444,8 @@ def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
 
     Two hosts each removing the other's key would each see two keys, each delete one, and
     leave none. So a removal first marks its key as going (removing-keys/<id>, create-only,
-    empty), then lists keys and marks, and deletes only while a key that is not going remains;
+    empty), then lists keys and marks, and deletes only while a key that is not going, and that
+    wraps this store's master key (`_wraps_master`: not a killed creation's leftover), remains;
     else it drops its mark and is refused. Of removals that race, the one that lists last sees
     every other's mark, so a key always survives. A mark left by a removal that was killed
     counts its key as going until `remove_key` of that key runs again and finishes it."""
@@ -435,7 +462,7 @@ def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
     marked = backend.put_if_absent(mark, [b""])  # (False: an earlier removal of it was stopped; finish it)
     faults.point("keys.removing")
     going = set(removal_marks(backend))
-    staying = [k for k in key_ids(backend) if k not in going]
+    staying = [k for k in key_ids(backend) if k not in going and _wraps_master(backend, keys.master, k)]
     if not staying:
         if marked:
             backend.delete(mark)
