@@ -339,6 +339,7 @@ class CasCheckpointIO(CheckpointIO):
         # save, when it runs, is skipped (it wrote a marker and a checkpoint nobody kept, for good)
         self._removed_unsaved: set[str] = set()
         self._removed_lock = threading.Lock()
+        self._saver: threading.Thread | None = None  # the thread this run's saves ran on
 
     # --- CheckpointIO ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -350,6 +351,7 @@ class CasCheckpointIO(CheckpointIO):
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
         path = _where(path)
+        self._new_run_if_its_saver_is_gone()
         if self._removed_early(path):
             return
         cks = self.store.checkpoints()
@@ -364,6 +366,17 @@ class CasCheckpointIO(CheckpointIO):
             self._delete_if_unnamed(previous)
         if self._removed_early(path):  # removed while this save ran, before its marker was there
             self.remove_checkpoint(path)
+
+    def _new_run_if_its_saver_is_gone(self) -> None:
+        """A save from a new thread while the last saves' thread is gone starts another run:
+        Lightning's AsyncCheckpointIO saves on its own executor thread, shuts it down after
+        fit, and does not pass its teardown on to this plugin, so a second fit with the same
+        plugin took its saves at the first run's global steps for this run's own and replaced
+        them (an audit of stop 36: the first run's checkpoints gone)."""
+        me = threading.current_thread()
+        if self._saver is not None and self._saver is not me and not self._saver.is_alive():
+            self._run.clear()
+        self._saver = me
 
     def _removed_early(self, path: str) -> bool:
         """Whether `path` was removed before its save put anything there (and forget it)."""

@@ -188,6 +188,30 @@ def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_checkpoints(tmp
     io.close()
 
 
+def test_one_async_plugin_for_two_runs_keeps_the_first_runs_checkpoints(tmp_path):
+    """One CasCheckpointIO under AsyncCheckpointIO for two fits into one dirpath: AsyncCheckpointIO
+    does not pass its teardown on, so the plugin took the second run's saves at steps 4 and 8
+    for the first run's own and replaced them (the first run's checkpoints gone). The oracle is
+    the same two runs with Lightning's own files."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    io = CasCheckpointIO(tmp_path / "store")
+    for seed in (0, 1):
+        fitted(seed, 2, None, dirpath=tmp_path / "files", save_top_k=-1)
+    with pytest.warns(UserWarning, match="holds another checkpoint"):
+        for seed in (0, 1):
+            fitted(seed, 2, AsyncCheckpointIO(io), dirpath=tmp_path / "ckpt", save_top_k=-1)
+    names = sorted(os.listdir(tmp_path / "files"))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == names and len(names) == 4
+    assert [(ck.step, ck.meta["lightning_global_step"]) for ck in io.store.checkpoints()] == [
+        (4, 4), (8, 8), (9, 4), (10, 8)]
+    for name in names:
+        theirs = torch.load(tmp_path / "files" / name, weights_only=True)
+        ours = io.load_checkpoint(tmp_path / "ckpt" / name)["state_dict"]  # (AsyncCheckpointIO's clone drops
+        assert_same(dict(ours), dict(theirs["state_dict"]))  # the OrderedDict's _metadata)
+    io.close()
+
+
 def test_save_last_link_links_last_to_the_checkpoint_it_names(tmp_path):
     """save_last="link": Lightning makes last.ckpt a link to the top-k file instead of saving."""
     ckpt = tmp_path / "ckpt"
