@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from cas import faults
 from cas.backend import MAX_BLOB, Backend
 from cas import crypt
-from cas.errors import BlobAbsentError, CasError, NotAStoreError, NotEncryptedError
+from cas.errors import BlobAbsentError, CasError, CorruptionError, NotAStoreError, NotEncryptedError
 from cas.hashing import hash_bytes
 from cas.localfs import LocalBackend
 from cas.packs import PACK_TARGET
@@ -141,6 +141,14 @@ class Location:
             if key is not None:
                 raise NotEncryptedError(f"the store at {self.name} is not encrypted; open it without key= (a store is "
                                         "encrypted when it is created with a key)")
+            left = crypt.key_ids(self.backend)
+            if left:  # its config was rewritten as plain: saves would go to disk unencrypted
+                raise CorruptionError(
+                    f"the config of the store at {self.name} says it is not encrypted, but its keys/ holds "
+                    f"{len(left)} key blob(s) ({', '.join(left)}): an encrypted store's config was replaced, and "
+                    "saving into it would write plaintext; nothing was changed. (If keys/ is only what an "
+                    "encrypted creation cut short left in a store then made plain, remove keys/.)",
+                    key=L.CONFIG_NAME)
             return
         if self.keys is None or crypt.check_of(self.keys.master) != config.encryption["check"]:
             if key is None:  # no key= given: the one in the file $CAS_KEY_FILE names, if set

@@ -156,6 +156,24 @@ def test_a_key_blob_whose_kdf_this_cas_will_not_run_is_skipped(tmp_path, body):
         cas.open(path, key="wrong")
 
 
+def test_a_config_rewritten_as_plain_beside_keys_is_refused(tmp_path, monkeypatch):
+    """Someone with write access but no key rewrites an encrypted store's config as a plain one
+    (its digest is plain blake3): a trainer opening it with $CAS_KEY_FILE saved plaintext into it.
+    The keys/ beside it show the store is encrypted: the open is refused, nothing written."""
+    from cas.store.layout import config_bytes
+
+    path = tmp_path / "s"
+    with cas.open(path, key="right") as store:
+        chunk_size = store.config.chunk_size
+    (path / "config").write_bytes(config_bytes(chunk_size=chunk_size))
+    (tmp_path / "k").write_text("right")
+    monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "k"))
+    before = sorted(p.name for p in path.rglob("*"))
+    with pytest.raises(CorruptionError, match="says it is not encrypted, but its keys/ holds 1 key blob"):
+        cas.open(path)
+    assert sorted(p.name for p in path.rglob("*")) == before
+
+
 def test_key_errors_are_clear(tmp_path):
     path = tmp_path / "s"
     with cas.open(path, key="right") as store:
