@@ -689,6 +689,33 @@ def test_killed_at_a_fault_point_loses_nothing(tmp_path, what, point):
         assert (extra in ids) == (point == "keys.removing")
 
 
+def test_two_processes_adding_the_same_key_at_once_add_it_once(tmp_path):
+    """Both checked that the key did not open the store yet, then each wrote it under a random
+    id: two ids, and removing one left the key working (an audit of stop 36, 6 of 6 rounds). The
+    id now comes from the key: the second add finds its name taken and is refused."""
+    path = tmp_path / "s"
+    with cas.open(path, key="alice") as store:
+        store.save({"w": _w(1)}, step=1)
+    gate = tmp_path / "gate"
+    add = "import cas, sys; s = cas.open(sys.argv[1], key='alice'); print(s.add_key('bob')); s.close()"
+    first = subprocess.Popen([sys.executable, "-c", add, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, CAS_FAULTS=f"keys.adding=pause:{gate}"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{gate}.reached"):  # checked bob is not a key yet, paused before writing it
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.05)
+    with cas.open(path, key="alice") as store:
+        bob = store.add_key("bob")
+    gate.touch()
+    out, err = first.communicate(timeout=60)
+    assert first.returncode != 0 and "DuplicateKeyError" in err and bob in err, out + err
+    with cas.open(path, key="alice") as store:
+        assert len(store.key_ids()) == 2
+        store.remove_key(bob)
+    with pytest.raises(WrongKeyError):
+        cas.open(path, key="bob")
+
+
 @pytest.mark.parametrize("leftover", [False, True])
 def test_two_hosts_removing_each_others_key_leave_one(tmp_path, leftover):
     """Each store opened with its own key removes the other's: both saw two keys and both
