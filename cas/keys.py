@@ -105,6 +105,8 @@ def read_key_file(path: str) -> str | bytes:
     31-character passphrase written with `echo` is not taken for 32 raw bytes."""
     data = _read_key_bytes(path)
     text = _strip_newline(data)
+    if not text:
+        raise KeyFileError(f"the key file {path} is empty: it holds no key")
     if _printable(text):
         return KeyText(text.decode("utf-8")) if len(text) == KEY_SIZE else text.decode("utf-8")
     if len(data) == KEY_SIZE:
@@ -122,7 +124,7 @@ def _read_key_bytes(path: str) -> bytes:
         with open(os.path.expanduser(path), "rb") as f:
             data = f.read(KEY_FILE_LIMIT + 1)
     except OSError as exc:
-        raise KeyRequiredError(f"cannot read the key file {path} ($CAS_KEY_FILE): {exc.strerror or exc}") from None
+        raise KeyRequiredError(f"cannot read the key file {path}: {exc.strerror or exc}") from None
     if len(data) > KEY_FILE_LIMIT:
         raise KeyFileError(f"the key file {path} is over {KEY_FILE_LIMIT} bytes (64 KiB), the most a key file "
                            "may hold (a key is never cut short): use a shorter passphrase or a 32-byte raw key")

@@ -223,6 +223,10 @@ def test_the_library_opens_with_the_key_file_named_by_the_environment(tmp_path, 
     monkeypatch.setenv("CAS_KEY_FILE", str(tmp_path / "absent"))
     with pytest.raises(KeyRequiredError, match="absent"):
         cas.open(tmp_path / "s")
+    key_file.write_text("\n")  # named: it said "an empty passphrase is not a key", naming no file
+    monkeypatch.setenv("CAS_KEY_FILE", str(key_file))
+    with pytest.raises(cas.KeyFileError, match=f"the key file {key_file} is empty"):
+        cas.open(tmp_path / "s")
 
 
 def test_a_key_file_of_32_printable_bytes_opens_a_store_made_with_them_as_a_passphrase_or_raw(tmp_path, monkeypatch):
