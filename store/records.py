@@ -12,8 +12,8 @@ The LMDB registry is a cache of this fold (store/cache.py). Format: docs/format.
 
 from __future__ import annotations
 
-import getpass
 import os
+import pwd
 import socket
 import time
 from dataclasses import dataclass
@@ -71,8 +71,10 @@ GC_PHASES = ("intent", "delete")
 
 
 def _user() -> str:
+    """The account of the process's real uid: getpass.getuser() reads $LOGNAME and $USER first,
+    so `LOGNAME=alice cas rm 1` run as root was logged as alice (audit of stop 36)."""
     try:
-        return getpass.getuser()
+        return pwd.getpwuid(os.getuid()).pw_name
     except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
         return str(os.getuid())
 

@@ -297,3 +297,15 @@ def test_the_audit_trail_names_every_removal_and_flag_change_and_gc_keeps_it(tmp
         store.gc()
         assert len(store.log()) == len(entries)  # gc removed nothing of the trail
     assert len(json.loads(cli("log", "--saves", "--json", path=tmp_path / "s").stdout)) == len(entries)
+
+
+def test_the_audit_trail_names_the_account_of_the_process_not_the_one_its_environment_claims(tmp_path):
+    import pwd
+
+    with cas.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(4)}, step=1)
+    env = dict(os.environ, LOGNAME="someone-else", USER="someone-else")
+    subprocess.run([sys.executable, "-m", "cas.cli", "--store", str(tmp_path / "s"), "rm", "1"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    rows = json.loads(cli("log", "--json", path=tmp_path / "s").stdout)
+    assert rows[0]["why"] == "delete" and rows[0]["user"].startswith(pwd.getpwuid(os.getuid()).pw_name), rows[0]
