@@ -94,6 +94,10 @@ def public_key_bytes(key) -> bytes:
     return public_key_bytes(loaded)
 
 
+def _hex64(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
 def _read(key, what: str) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
@@ -102,11 +106,12 @@ def _read(key, what: str) -> bytes:
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 return f.read()
-        text = isinstance(key, str) and key.lstrip().startswith(("-----", "ssh-"))  # PEM or OpenSSH text
-        if not text and (not isinstance(key, str) or "/" in key or key.startswith("~")):
+        # PEM or OpenSSH text, or 64 hex digits; any other string names a file (a missing
+        # "key.pub" had been parsed as PEM, and a 32-character name taken for a raw key)
+        text = isinstance(key, str) and (key.lstrip().startswith(("-----", "ssh-")) or _hex64(key.strip()))
+        if not text:
             raise CasError(f"the {what} file {os.fspath(key)} does not exist (or is not a file)")
-        if isinstance(key, str):
-            return key.encode()
+        return key.encode()
     raise CasError(f"the {what} must be bytes, a path or a cryptography ed25519 key, not {type(key).__name__}")
 
 

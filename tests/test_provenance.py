@@ -183,6 +183,9 @@ def test_unsigned_checkpoints_and_bad_keys_are_named(tmp_path):
     assert out.returncode == 2 and "public key" in out.stderr and "Traceback" not in out.stderr
     missing = cli("verify", "--signatures", str(tmp_path / "nope.pub"), path=tmp_path / "s")
     assert missing.returncode == 2 and "nope.pub does not exist" in missing.stderr
+    for name in ("key.pub", "k" * 32):  # a bare name, in the store's folder as cwd: a file, not PEM or a raw key
+        bare = cli("verify", "--signatures", name, path=tmp_path / "s", cwd=tmp_path)
+        assert bare.returncode == 2 and f"{name} does not exist" in bare.stderr, bare.stdout + bare.stderr
     with pytest.raises(cas.CasError, match="signing key file .*missing.pem does not exist"):
         cas.open(tmp_path / "s", signing_key=tmp_path / "missing.pem")
 
