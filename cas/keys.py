@@ -223,12 +223,12 @@ def _unusable_kdf(body: dict) -> str | None:
     if kdf == "raw":
         return None
     if kdf != "scrypt":
-        return f"the KDF {kdf!r}, which this cas does not know"
+        return f"for the KDF {kdf!r}, which this cas does not know"
     n, r, p = body.get("n"), body.get("r"), body.get("p")
     if not all(isinstance(v, int) and v > 0 for v in (n, r, p)) or n & (n - 1) or n < 2:
-        return f"scrypt parameters that are not valid (n={n!r}, r={r!r}, p={p!r})"
+        return f"for scrypt parameters that are not valid (n={n!r}, r={r!r}, p={p!r})"
     if 128 * r * n > SCRYPT_MAX_MEMORY or p > SCRYPT_MAX_P:
-        return f"scrypt parameters beyond this cas's bounds (n={n}, r={r}, p={p})"
+        return f"for scrypt parameters beyond this cas's bounds (n={n}, r={r}, p={p})"
     return None
 
 
@@ -237,7 +237,7 @@ def _kek(kind: str, secret: bytes, body: dict) -> bytes:
         return secret if kind == "raw" else b""
     why = _unusable_kdf(body)
     if why is not None:
-        raise CasError(f"a key of this store uses {why}")
+        raise CasError(f"a key blob of this store is {why}")
     from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
     return Scrypt(salt=bytes(body["salt"]), length=32, n=int(body["n"]), r=int(body["r"]),
@@ -345,8 +345,9 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         try:
             body, mended = _parse_key(backend.get(KEYS_PREFIX + key_id))
         except CorruptionError:  # removed meanwhile, unreadable: another key may open it
-            continue
+            body = None
         if body is None:
+            unusable.append((key_id, "a blob that cannot be read as a key blob (damaged)"))
             continue
         wants_raw = body.get("kdf") == "raw"
         user = ("raw", key.encode("utf-8")) if wants_raw and isinstance(key, KeyText) else as_given
@@ -373,7 +374,7 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
         master = _mended_wrapping(body, kek, _key_aad(store_id, key_id), check)
         if master is not None:
             return StoreKeys(master, key_id, user, True)
-    skipped = "".join(f"; key {key_id} was not tried: it uses {why}" for key_id, why in unusable)
+    skipped = "".join(f"; key {key_id} was not tried: it is {why}" for key_id, why in unusable)
     raise WrongKeyError(f"the key given does not open the encrypted store at {where}: it is wrong, or it was "
                         f"removed (cas key remove); the store has {len(ids)} key(s){skipped}")
 

@@ -937,3 +937,15 @@ def test_a_key_blob_from_before_the_digest_with_one_damaged_byte_of_its_wrapped_
             assert "key blob" in str(store.verify().problems[0])
         with pytest.raises(cas.WrongKeyError):
             cas.open(path, key=bytes(range(1, 33)))
+
+
+def test_a_key_blob_damaged_beyond_mending_is_named_when_no_key_opens_the_store(tmp_path):
+    """The right key met only "it is wrong, or it was removed" when the store's one key blob was
+    zeroed: the error now names the blob it could not read."""
+    path = tmp_path / "s"
+    with cas.open(path, key="right") as store:
+        key_id = store.key_id
+    blob = path / "keys" / key_id
+    blob.write_bytes(bytes(len(blob.read_bytes())))
+    with pytest.raises(WrongKeyError, match=f"key {key_id} was not tried: it is a blob that cannot be read"):
+        cas.open(path, key="right")
