@@ -117,12 +117,14 @@ def _epoch(store, report, marker_type, *, dry_run: bool, ignore_roots: set[bytes
                                                                   for _, rec in recs)
         report.objects_swept = _dead_records(store, doomed, marker.live)
         return
+    with index.read() as txn:
+        left_pending = index.any_doomed(txn)  # epochs of earlier gcs, which this one's delete entry ends
     epoch = secrets.token_bytes(16)
     if doomed:
         _rewrite_and_intend(store, epoch, doomed, moves)
         faults.point("gc.intent_logged")
         report.deferred = _wait_for_writers(store, wait)
-    if report.deferred is None and (doomed or _pending_epochs(store, epoch)):
+    if report.deferred is None and (doomed or left_pending):
         deleted = _delete_epoch(store, report, marker, epoch, doomed, progress, lock)
         report.packs_removed = len(deleted - set(moves))
         report.packs_rewritten = len(deleted & set(moves))
@@ -246,8 +248,8 @@ def _delete_epoch(store, report, marker, epoch: bytes, doomed: set[bytes], progr
         with store.index.read() as txn:
             generation = store.index.generation(txn)
             new_roots = [ck.key for ck in store.registry.all(txn) if ck.key not in marker.roots]
-            settles = _other_epochs(store.index, txn, epoch)
-            ended = doomed and not any(other == epoch for _, other in store.index.doomed_packs(txn))
+            pending = _pending_epochs(store.index, txn)
+        settles, ended = sorted(pending - {epoch}), doomed and epoch not in pending
         if lock.lost.is_set() or ended:  # paused past its ttl: another gc may have run, or be running
             report.deferred = ("this gc lost its lock (it was paused past its lease)" if lock.lost.is_set() else
                                "another gc ended this gc's epoch (this one was paused past its lease)")
@@ -313,16 +315,12 @@ def _needed(index, txn, pack: bytes, listed, live: set[bytes]):
     return elsewhere
 
 
-def _other_epochs(index, txn, epoch: bytes) -> list[bytes]:
-    """The epochs other than `epoch` left pending (their gc crashed, gave up waiting, or lost its
-    lock): this one's delete entry ends them all. It holds the gc lock, so none of their gcs is
+def _pending_epochs(index, txn) -> set[bytes]:
+    """The epochs whose packs are doomed: this gc's own once it logged its intent (until another
+    gc's delete entry ends it), and those left pending (their gc crashed, gave up waiting, or
+    lost its lock), which this one's delete entry ends all. It holds the gc lock, so none of their gcs is
     running unless paused past its lease, and such a gc appends no delete once it finds its
     epoch ended; its doomed packs that this epoch does not delete are live again (a save reused
     them before it folded the intent) or already gone, and stop being doomed, so writers reuse
     them again instead of uploading copies."""
-    return sorted({other for _, other in index.doomed_packs(txn) if other != epoch})
-
-
-def _pending_epochs(store, epoch: bytes) -> bool:
-    with store.index.read() as txn:
-        return bool(_other_epochs(store.index, txn, epoch))
+    return {epoch for _, epoch in index.doomed_packs(txn)}
