@@ -36,6 +36,9 @@ Paths and steps. The store names a checkpoint by a step, Lightning by a path.
   it: remove_checkpoint(path) deletes the marker (or Lightning's link) and then the checkpoint
   if no other marker names it; a pinned checkpoint (a legal hold) always stays. The store's
   retention may delete a checkpoint a marker still names: loading that path then says so.
+  Under AsyncCheckpointIO (saves queued on a thread, removals at once), a path removed before
+  or while its save runs gets no marker, and that save then deletes its checkpoint if no other
+  path names it.
 - load_checkpoint(path) reads the marker at the path (a link Lightning made to one resolves to
   it); a path without one (a store saved before markers, or another host's folder) is found by,
   in order: the newest checkpoint that lists it, the number after "step=" in the file name
@@ -338,7 +341,13 @@ class CasCheckpointIO(CheckpointIO):
         # a thread but removes at once, so save_top_k removes a path whose save has not run; that
         # save, when it runs, is skipped (it wrote a marker and a checkpoint nobody kept, for good)
         self._removed_unsaved: set[str] = set()
-        self._removed_lock = threading.Lock()
+        # the paths whose markers a running save writes after its commit: their removal meanwhile
+        # is left to that save (before, it deleted the just-committed checkpoint, which no marker
+        # named yet, and the save then wrote its markers anyway: a removed file came back and
+        # last.ckpt named a deleted checkpoint, stop 36's audit)
+        self._saving: set[str] = set()
+        # a save's placing and its markers, and removals, one at a time (not the save itself)
+        self._lock = threading.RLock()
         self._saver: threading.Thread | None = None  # the thread this run's saves ran on
 
     # --- CheckpointIO ---------------------------------------------------------------------
@@ -351,21 +360,36 @@ class CasCheckpointIO(CheckpointIO):
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
         path = _where(path)
-        self._new_run_if_its_saver_is_gone()
-        if self._removed_early(path):
-            return
-        cks = self.store.checkpoints()
-        previous = self._named(path, cks)
-        step, kept = self._place(global_step, path, cks)
-        ck = self.store.save(_plain(checkpoint), step=step, replace=True,
-                             meta={PATHS_META: kept + [path], GLOBAL_STEP_META: global_step})
-        self._run[global_step] = step
-        for named in kept + [path]:  # after the commit: a marker never names what is not there
-            write_marker(named, self.store, ck)
-        if previous is not None and previous.step != step:
-            self._delete_if_unnamed(previous)
-        if self._removed_early(path):  # removed while this save ran, before its marker was there
-            self.remove_checkpoint(path)
+        with self._lock:
+            self._new_run_if_its_saver_is_gone()
+            if self._removed_early(path):
+                return
+            cks = self.store.checkpoints()
+            previous = self._named(path, cks)
+            step, kept = self._place(global_step, path, cks)
+            replaced = next((ck for ck in cks if ck.step == step), None)
+            paths = kept + [path]
+            self._saving.update(paths)
+        try:
+            ck = self.store.save(_plain(checkpoint), step=step, replace=True,
+                                 meta={PATHS_META: paths, GLOBAL_STEP_META: global_step})
+        except BaseException:
+            with self._lock:
+                self._saving.difference_update(paths)
+                if [p for p in paths if self._removed_early(p)] and replaced is not None:
+                    self._delete_if_unnamed(replaced)  # its kept paths were removed meanwhile
+            raise
+        with self._lock:
+            self._saving.difference_update(paths)
+            self._run[global_step] = step
+            removed = [p for p in paths if self._removed_early(p)]
+            for named in paths:  # after the commit: a marker never names what is not there
+                if named not in removed:
+                    write_marker(named, self.store, ck)
+            if previous is not None and previous.step != step:
+                self._delete_if_unnamed(previous)
+            if removed:
+                self._delete_if_unnamed(ck)
 
     def _new_run_if_its_saver_is_gone(self) -> None:
         """A save from a new thread while the last saves' thread is gone starts another run:
@@ -380,7 +404,7 @@ class CasCheckpointIO(CheckpointIO):
 
     def _removed_early(self, path: str) -> bool:
         """Whether `path` was removed before its save put anything there (and forget it)."""
-        with self._removed_lock:
+        with self._lock:
             removed = path in self._removed_unsaved
             self._removed_unsaved.discard(path)
             return removed
@@ -399,20 +423,23 @@ class CasCheckpointIO(CheckpointIO):
         if no other marker names it. Any other file there is left alone. Nothing there yet: the
         save of `path` has not run (AsyncCheckpointIO's queue), and it is skipped when it does."""
         path = _where(path)
-        ck = self._named(path, self.store.checkpoints())
-        if os.path.islink(path) or _is_marker(path):
-            _remove_file(path)
-        elif _read_file(path) is None:
-            with self._removed_lock:
+        with self._lock:
+            saving = path in self._saving  # a running save writes its marker: it is told not to
+            ck = None if saving else self._named(path, self.store.checkpoints())
+            if os.path.islink(path) or _is_marker(path):
+                _remove_file(path)
+            elif not saving and _read_file(path) is None:
+                saving = True
+            if saving:
                 self._removed_unsaved.add(path)
-        if ck is not None:
-            self._delete_if_unnamed(ck)
+            if ck is not None:
+                self._delete_if_unnamed(ck)
 
     def teardown(self) -> None:
         """The run ended (Lightning calls this after fit): a later save at one of its steps is
         another run's."""
-        self._run.clear()
-        with self._removed_lock:
+        with self._lock:
+            self._run.clear()
             self._removed_unsaved.clear()
 
     # --- paths and steps ------------------------------------------------------------------

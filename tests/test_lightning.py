@@ -412,3 +412,54 @@ def test_async_checkpoint_io_with_save_top_k_leaves_only_the_kept_checkpoints(tm
     assert sorted(os.listdir(d)) == [os.path.basename(kept)]
     assert [ck.step for ck in io.store.checkpoints()] == [io.step_for(kept)]
     io.close()
+
+
+def test_async_save_last_with_save_top_k_keeps_last_while_its_kept_path_is_removed(tmp_path):
+    """save_last=True beside save_top_k=1 under AsyncCheckpointIO: the save of last.ckpt at a
+    step keeps the top-k path's marker naming the same checkpoint, and ModelCheckpoint removes
+    that path on its own thread while the save runs. Before, the removal found no marker naming
+    the just-committed checkpoint yet and deleted it; the save then wrote its markers anyway:
+    the removed file came back and last.ckpt named a deleted checkpoint (stop 36's audit)."""
+    import threading
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from cas import faults
+
+    d = tmp_path / "ckpts"
+    gate = str(tmp_path / "gate")
+    # saves run P1, last@1, P2, last@2, ...: the save of last.ckpt at step 1 waits after its commit
+    faults.configure(f"save.committed=pause:{gate}@2")
+
+    def release() -> None:
+        while not os.path.exists(gate + ".reached"):
+            threading.Event().wait(0.01)
+        for _ in range(1000):  # until step 2's top-k save has removed step 1's path
+            if not os.path.exists(d / "epoch=0-step=1.ckpt"):
+                break
+            threading.Event().wait(0.01)
+        open(gate, "w").close()
+    opener = threading.Thread(target=release, daemon=True)
+    opener.start()
+    class WaitsForTheSave(Tiny):
+        def training_step(self, batch, batch_idx):
+            for _ in range(1000 if batch_idx == 1 else 0):  # step 1's saves run first
+                if os.path.exists(gate + ".reached"):
+                    break
+                threading.Event().wait(0.01)
+            return super().training_step(batch, batch_idx)
+
+    io = CasCheckpointIO(tmp_path / "store")
+    try:
+        torch.manual_seed(0)
+        t = trainer(1, AsyncCheckpointIO(io), dirpath=d, save_top_k=1, save_last=True, every_n_train_steps=1)
+        t.fit(WaitsForTheSave(), loader())
+    finally:
+        faults.configure("")
+        open(gate, "w").close()
+        opener.join()
+    assert sorted(os.listdir(d)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert [ck.step for ck in io.store.checkpoints()] == [4]
+    for name in os.listdir(d):
+        assert io.load_checkpoint(d / name)["global_step"] == 4
+    io.close()
