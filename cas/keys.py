@@ -13,6 +13,7 @@ one for the check.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import time
@@ -238,10 +239,18 @@ def _kek(kind: str, secret: bytes, body: dict) -> bytes:
     why = _unusable_kdf(body)
     if why is not None:
         raise CasError(f"a key blob of this store is {why}")
+    return _scrypt(secret, bytes(body["salt"]), int(body["n"]), int(body["r"]), int(body["p"]))
+
+
+@functools.lru_cache(maxsize=16)
+def _scrypt(secret: bytes, salt: bytes, n: int, r: int, p: int) -> bytes:
+    """scrypt, once per process for the same passphrase and blob: DCP opens the store at every
+    save and load on every rank, and a reader or writer checks its key when it is made (a
+    wrong key said there, not inside DCP's CheckpointException). The derived key stays in
+    memory as long as the store's master key does while it is open."""
     from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-    return Scrypt(salt=bytes(body["salt"]), length=32, n=int(body["n"]), r=int(body["r"]),
-                  p=int(body["p"])).derive(secret)
+    return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(secret)
 
 
 def _key_aad(store_id: str, key_id: str) -> bytes:

@@ -189,6 +189,17 @@ def locate(target, *, cache_dir: str | None = None) -> Location:
     return Location(kind, backend.url, backend, cache_dir)
 
 
+def check_key(target, key) -> None:
+    """Raise now what opening the store at `target` with `key` (None: $CAS_KEY_FILE's) would
+    raise for the key: KeyRequiredError, WrongKeyError, NotEncryptedError, a damaged config's
+    CorruptionError. Nothing there yet: nothing to say (a save creates the store). For DCP's
+    reader and writer, whose errors inside dcp.save and dcp.load reach the caller as DCP's
+    CheckpointException (a BaseException), not as the CasError that names the problem."""
+    location = locate(target)
+    if location.has_config():
+        location.unlock(location.read_config(), key)
+
+
 def _create_folder(layout: L.Layout, chunk_size: int, store_id: str | None = None, blob: tuple | None = None,
                    encryption: dict | None = None) -> bool:
     with L.creation_lock(layout.root):

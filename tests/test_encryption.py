@@ -641,6 +641,30 @@ def test_dcp_save_and_load_into_an_encrypted_store(tmp_path):
         assert store.verify().ok
 
 
+def test_dcps_own_save_and_load_say_a_missing_or_wrong_key_as_cas_errors(tmp_path):
+    """Through DCP's own dcp.save and dcp.load a key error raised inside DCP reached the caller
+    as DCP's CheckpointException (a BaseException, not even an Exception); the reader and the
+    writer now check the key when they are made, and the right key still saves and loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from cas.store.dcp import CasReader, CasWriter
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=CasWriter(tmp_path / "d", step=1, key="right"))
+    for options, error in (({}, KeyRequiredError), ({"key": "wrong"}, WrongKeyError)):
+        with pytest.raises(error):
+            dcp.load({"w": torch.zeros(4)}, storage_reader=CasReader(tmp_path / "d", **options))
+        with pytest.raises(error):
+            dcp.save({"w": torch.ones(4)}, storage_writer=CasWriter(tmp_path / "d", step=2, **options))
+    dcp.save({"w": torch.ones(4)}, storage_writer=CasWriter(tmp_path / "plain", step=1))
+    with pytest.raises(NotEncryptedError):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=CasReader(tmp_path / "plain", key="right"))
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=CasReader(tmp_path / "d", key="right"))
+    assert torch.equal(out["w"], torch.ones(4))
+    with cas.open(tmp_path / "d", key="right") as store:
+        assert [ck.step for ck in store.checkpoints()] == [1]
+
+
 WORKER = r"""
 import sys, torch, cas
 path, what = sys.argv[1], sys.argv[2]

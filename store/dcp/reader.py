@@ -31,7 +31,7 @@ from cas.pools import Pool
 
 from .. import pipeline
 from .. import tensors as T
-from ..location import parse_target
+from ..location import check_key, parse_target
 from ..registry import Checkpoint
 from ..store import CheckpointStore
 from ..tree import chunk_spans
@@ -312,6 +312,8 @@ class CasReader(StorageReader):
         self.checkpoint: Checkpoint | None = None
         self.error: CasError | None = None  # why read_metadata failed, for cas.store.dcp.load
         self._loaded: Loaded | None = None
+        if self._store is None:  # a wrong or missing key said here, as a CasError (check_key)
+            check_key(self.path, key)
 
     @property
     def checkpoint_id(self) -> str:

@@ -29,7 +29,7 @@ from ..bases import DELTA_MIN_BYTES
 from ..commit import SaveRecord, commit_save
 from ..registry import Checkpoint
 from ..options import StoreOptions, checked_meta, checked_metrics, checked_step
-from ..location import locate
+from ..location import check_key, locate
 from ..opening import open_path
 from ..store import CheckpointStore
 from . import bases
@@ -195,6 +195,8 @@ class CasWriter(StorageWriter):
         self.checkpoint: Checkpoint | None = None  # on the coordinator, once committed
         self._pending: PendingCommit | None = None
         self._finalizer: weakref.finalize | None = None
+        if self._store is None:  # a wrong or missing key said here, as a CasError (check_key)
+            check_key(self.path, self.options.key)
 
     @property
     def checkpoint_id(self) -> str:
