@@ -34,7 +34,7 @@ from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
                    SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher,
                    check_fields, check_of, encryption_fields, invalid_tag, key_blob, key_from_env, key_ids,
-                   new_key_id, read_key_file, remove_key, unlock, user_key)
+                   new_key_id, read_key_file, remove_key, stray_key_ids, unlock, user_key)
 
 TAG = 16
 BLOB_MAGIC = b"casenc1\n"  # bound to its name

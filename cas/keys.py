@@ -327,6 +327,12 @@ def key_ids(backend) -> list[str]:
     return [name[len(KEYS_PREFIX):] for name in backend.list(KEYS_PREFIX)]
 
 
+def stray_key_ids(backend, master: bytes) -> list[str]:
+    """The keys/ blobs that open nothing of the store whose master key this is (a creation cut
+    short left them: _wraps_master), which `cas key remove` deletes."""
+    return [k for k in key_ids(backend) if not _wraps_master(backend, master, k)]
+
+
 def removal_marks(backend) -> list[str]:
     """The ids of the keys a removal has marked as going (remove_key)."""
     return [name[len(REMOVING_PREFIX):] for name in backend.list(REMOVING_PREFIX)]
@@ -434,6 +440,9 @@ def add_key(backend, store_id: str, keys: StoreKeys, new_key, where: str = "") -
                                 f"{existing}; no second key was added (`cas key remove {existing}` revokes it)")
     key_id = key_id_of(keys.master, user)
     data = key_blob(store_id, key_id, keys.master, user)
+    if key_id in removal_marks(backend):  # this key was removed by a removal killed before it
+        backend.delete(REMOVING_PREFIX + key_id)  # dropped its mark: re-added, the key is not going
+        backend.sync()
     faults.point("keys.adding")
     if not backend.put_if_absent(KEYS_PREFIX + key_id, [data]):  # the same key, added meanwhile
         raise DuplicateKeyError(f"this key was just added to the store{' at ' + where if where else ''} as key "
@@ -471,6 +480,10 @@ def remove_key(backend, keys: StoreKeys, key_id: str, where: str) -> None:
     every other's mark, so a key always survives. A mark left by a removal that was killed
     counts its key as going until `remove_key` of that key runs again and finishes it."""
     ids = key_ids(backend)
+    if key_id not in ids and key_id in removal_marks(backend):  # a removal killed after its delete: finish it
+        backend.delete(REMOVING_PREFIX + key_id)
+        backend.sync()
+        return
     if key_id not in ids:
         raise CasError(f"the store at {where} has no key {key_id!r}; its keys: {', '.join(ids)}")
     if key_id == keys.key_id:

@@ -171,10 +171,16 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         return self.location.keys
 
     def key_ids(self) -> list[str]:
-        """The ids of the keys that open this encrypted store (keys/<id>)."""
+        """The ids of the keys that open this encrypted store (keys/<id>); not stray_key_ids."""
+        stray = set(self.stray_key_ids())
+        return [k for k in crypt.key_ids(self.backend) if k not in stray]
+
+    def stray_key_ids(self) -> list[str]:
+        """The ids of keys/ blobs that open nothing of this store: a creation cut short (killed
+        after its first key blob) left them, and another creation then made the store there.
+        remove_key deletes them."""
         self._check_open()
-        self._keys()
-        return crypt.key_ids(self.backend)
+        return crypt.stray_key_ids(self.backend, self._keys().master)
 
     @property
     def key_id(self) -> str | None:

@@ -19,7 +19,7 @@ from s3server import s3_bucket, s3_prefix, s3_server, s3_url  # noqa: F401 - fix
 
 import cas
 from cas import crypt
-from cas.keys import read_key_file
+from cas.keys import read_key_file, removal_marks
 from cas.localfs import MAP_FROM
 from cas.errors import (CasError, CorruptionError, KeyRemovalRefusedError, KeyRequiredError, NotEncryptedError,
                         WrongKeyError)
@@ -973,3 +973,50 @@ def test_a_key_blob_damaged_beyond_mending_is_named_when_no_key_opens_the_store(
     blob.write_bytes(bytes(len(blob.read_bytes())))
     with pytest.raises(WrongKeyError, match=f"key {key_id} was not tried: it is a blob that cannot be read"):
         cas.open(path, key="right")
+
+
+def test_a_removal_killed_after_its_delete_finishes_when_run_again_and_its_key_can_come_back(tmp_path):
+    """Killed after deleting keys/<id> and before dropping its mark: running the removal again
+    said the store "has no key", and the same key added again (its id comes from the key) kept
+    counting as going, so removing the other key was refused as if it were the last."""
+    path = tmp_path / "s"
+    with cas.open(path, key="old", chunk_size=64 << 10, pack_max=4096) as store:
+        store.save({"w": _w(1)}, step=1)
+        old, new = store.key_id, store.add_key("new")
+    assert _killed(path, "remove", "keys.removed") == -signal.SIGKILL  # removes "new"
+    with cas.open(path, key="old") as store:
+        assert store.key_ids() == [old] and removal_marks(store.backend) == [new]
+        store.remove_key(new)  # finishes it
+        assert removal_marks(store.backend) == []
+        assert store.add_key("new") == new
+    assert _killed(path, "remove", "keys.removed") == -signal.SIGKILL
+    with cas.open(path, key="old") as store:
+        assert store.add_key("new") == new and removal_marks(store.backend) == []
+    with cas.open(path, key="new") as store:
+        store.remove_key(old)
+        assert store.key_ids() == [new] and torch.equal(store.load(1)["w"], _w(1))
+    with pytest.raises(WrongKeyError):
+        cas.open(path, key="old")
+
+
+def test_a_key_blob_a_creation_cut_short_left_is_listed_apart_and_removable(tmp_path, cli):
+    """A blob wrapping another master key (left by a creation killed before its config, then
+    another creation made the store there) opens nothing here: `cas key list` showed it as a
+    key of the store."""
+    path, key_file = tmp_path / "s", tmp_path / "k"
+    key_file.write_text("alice")
+    with cas.open(path, key="alice") as store:
+        store.save({"w": _w(1)}, step=1)
+        alice = store.key_id
+    with cas.open(tmp_path / "other", key="carol") as other:
+        stray = other.key_id
+        shutil.copy(tmp_path / "other" / "keys" / stray, path / "keys" / stray)
+    with cas.open(path, key="alice") as store:
+        assert store.key_ids() == [alice] and store.stray_key_ids() == [stray]
+    listed = cli("--store", path, "key", "list", key_file=key_file)
+    assert listed.returncode == 0 and listed.stdout.splitlines() == [
+        f"{alice}  (this key)", f"{stray}  (opens nothing: left by a store creation cut short; `cas key remove "
+        f"{stray}` deletes it)"]
+    assert cli("--store", path, "key", "remove", stray, key_file=key_file).returncode == 0
+    with cas.open(path, key="alice") as store:
+        assert store.key_ids() == [alice] and store.stray_key_ids() == []

@@ -386,12 +386,15 @@ def cmd_key(store, args) -> int:
                            "when created with a key: cas.open(path, key=...), or any command creating one with "
                            "$CAS_KEY_FILE set)")
     if args.action == "list":
-        ids = store.key_ids()
+        ids, stray = store.key_ids(), store.stray_key_ids()
         if args.json:
-            emit_json({"keys": ids, "opened_with": store.key_id})
+            emit_json({"keys": ids, "opened_with": store.key_id, "stray": stray})
         else:
             for key_id in ids:
                 print(f"{key_id}{'  (this key)' if key_id == store.key_id else ''}")
+            for key_id in stray:
+                print(f"{key_id}  (opens nothing: left by a store creation cut short; `cas key remove {key_id}` "
+                      "deletes it)")
         return EXIT_OK
     if args.action == "add":
         new_key = _new_key(args)
