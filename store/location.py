@@ -197,7 +197,9 @@ def check_key(target, key) -> None:
     CheckpointException (a BaseException), not as the CasError that names the problem."""
     location = locate(target)
     if location.has_config():
-        location.unlock(location.read_config(), key)
+        config = location.read_config()
+        if config.encrypted or key is not None:  # (a plain store's other checks are left to its open)
+            location.unlock(config, key)
 
 
 def _create_folder(layout: L.Layout, chunk_size: int, store_id: str | None = None, blob: tuple | None = None,
