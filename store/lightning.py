@@ -376,8 +376,9 @@ class CasCheckpointIO(CheckpointIO):
         except BaseException:
             with self._lock:
                 self._saving.difference_update(paths)
-                if [p for p in paths if self._removed_early(p)] and replaced is not None:
-                    self._delete_if_unnamed(replaced)  # its kept paths were removed meanwhile
+                if [p for p in paths if self._removed_early(p)]:  # removed meanwhile: what they named
+                    for named in {ck.step: ck for ck in (replaced, previous) if ck is not None}.values():
+                        self._delete_if_unnamed(named)
             raise
         with self._lock:
             self._saving.difference_update(paths)
