@@ -440,8 +440,11 @@ def add_key(backend, store_id: str, keys: StoreKeys, new_key, where: str = "") -
                                 f"{existing}; no second key was added (`cas key remove {existing}` revokes it)")
     key_id = key_id_of(keys.master, user)
     data = key_blob(store_id, key_id, keys.master, user)
-    if key_id in removal_marks(backend):  # this key was removed by a removal killed before it
-        backend.delete(REMOVING_PREFIX + key_id)  # dropped its mark: re-added, the key is not going
+    # A removal of this key killed before it dropped its mark left the mark (the id comes from
+    # the key): deleted while the key is absent, before its blob is written, so no removal of
+    # the re-added key (which marks it anew) can lose its mark here.
+    if key_id in removal_marks(backend) and backend.stat(KEYS_PREFIX + key_id) is None:
+        backend.delete(REMOVING_PREFIX + key_id)
         backend.sync()
     faults.point("keys.adding")
     if not backend.put_if_absent(KEYS_PREFIX + key_id, [data]):  # the same key, added meanwhile
