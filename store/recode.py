@@ -163,8 +163,9 @@ class Recoder:
             except Exception as exc:  # noqa: BLE001 - nothing is lost: the older chunks stay whole
                 for cur in current.values():
                     cur.tails = [[] for _ in cur.keys]
-                warnings.warn(f"cas: re-encoding {label} as deltas failed, its chunks stay whole "
-                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=1)
+                warnings.warn(f"cas: re-encoding {label} as deltas failed; the chunks it had not re-encoded yet stay "
+                              f"whole, and every checkpoint stays restorable ({type(exc).__name__}: {exc})",
+                              RuntimeWarning, stacklevel=1)
             finally:
                 if released is not None:
                     released(previous)
