@@ -16,7 +16,7 @@ import importlib
 import os
 
 from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, CorruptionError,
-                     DistributedCheckpointError, DuplicateKeyError, FormatVersionError, KeyFileError,
+                     DistributedCheckpointError, DuplicateKeyError, FormatVersionError, IndexDamagedError, KeyFileError,
                      KeyRemovalRefusedError, KeyRequiredError,
                      MissingObjectError, NotAStoreError, NotEncryptedError, ObjectStoreError, ReadOnlyStoreError,
                      RetentionRefusedError, StateMismatchError, StoreClosedError, StoreKeyError, StoreWriteError,
@@ -74,4 +74,4 @@ __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader
            "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
            "UnresumableStateError", "UnsupportedFilesystemError", "DistributedCheckpointError", "ObjectStoreError",
            "StoreKeyError", "KeyRequiredError", "WrongKeyError", "NotEncryptedError", "KeyRemovalRefusedError",
-           "KeyFileError", "DuplicateKeyError", "open"]
+           "KeyFileError", "DuplicateKeyError", "IndexDamagedError", "open"]

@@ -104,6 +104,11 @@ class CorruptionError(CasError):
         return err
 
 
+class IndexDamagedError(CorruptionError):
+    """The LMDB index, a cache of the store, is damaged (LMDB found a bad page, or a record does
+    not parse); `cas repair` rebuilds it from the store's objects and record log."""
+
+
 class MissingObjectError(CorruptionError):
     """An object that a checkpoint references is not in the store."""
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +37,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from .errors import CasError, CorruptionError, ReadOnlyStoreError, StoreWriteError
+from .errors import CasError, IndexDamagedError, ReadOnlyStoreError, StoreWriteError
 from .hashing import KEY_SIZE
 
 WHERE_FILE = 0  # objects/ab/<key>
@@ -88,7 +91,7 @@ class ObjectRecord:
             if pos != len(data) or (base is not None and (len(base) != KEY_SIZE or depth < 1)):
                 raise ValueError("wrong length")
         except (struct.error, ValueError, IndexError) as exc:
-            raise CasError(f"an index record is damaged ({exc}); run `cas repair` to rebuild the index") from None
+            raise IndexDamagedError(f"an index record is damaged ({exc}); run `cas repair` to rebuild the index") from None
         return cls(where, stored, raw, pack, offset, base, depth)
 
 
@@ -215,6 +218,51 @@ def check_data_file(path: str) -> None:
                        "`cas repair` rebuilds the index")
 
 
+# Reads every table of an LMDB environment to its end, values included (run in a child process).
+_READ_THROUGH = r"""
+import sys, lmdb
+env = lmdb.open(sys.argv[1], subdir=True, readonly=True, lock=True, max_dbs=64, readahead=False)
+with env.begin() as txn:
+    for name in [key for key, _ in txn.cursor()]:
+        try:
+            table = env.open_db(name, txn=txn, create=False)
+        except lmdb.IncompatibleError:
+            continue  # a key of the main table, not a table
+        for key, value in txn.cursor(db=table):
+            pass
+"""
+
+
+def unreadable(path: str) -> str | None:
+    """Why the index at `path` cannot be read through, or None (also when there is none).
+    Every table is read to its end, every value copied, in a child process: damage that makes
+    LMDB follow a node or page past the end of its file kills the reading process (SIGBUS), so
+    only a child can find it and live. `cas repair` asks this before it writes into an index."""
+    data = os.path.join(path, "data.mdb")
+    if not os.path.exists(data):
+        return None
+    try:
+        check_data_file(path)
+    except CasError as exc:
+        return str(exc)
+    limit = 60 + os.path.getsize(data) / 20e6  # a cycle of damaged pages would never end
+    try:
+        done = subprocess.run([sys.executable, "-c", _READ_THROUGH, path], capture_output=True, text=True,
+                              timeout=limit)
+    except subprocess.TimeoutExpired:
+        return f"reading {data} through did not end in {limit:.0f} s (its pages may form a cycle)"
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return f"reading {data} through killed the reader ({name})"
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"reading {data} through failed: {last}"
+    return None
+
+
 def _snapshot(path: str, map_size: int) -> tuple[lmdb.Environment, str]:
     """A private copy of the index as of one committed transaction, opened with locks of its
     own: what a reader that cannot take a reader slot may safely read. Pages of transaction R
@@ -264,6 +312,15 @@ def _release_env(path: str, entry: list) -> None:
             entry[0].close()
             if entry[4] is not None:
                 shutil.rmtree(entry[4], ignore_errors=True)
+
+
+_LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError)  # what a damaged page raises
+
+
+def found_damage(exc: BaseException) -> bool:
+    """Whether `exc`, raised by an Index, is LMDB (or a record's parse) finding the index damaged,
+    for a reader or a writer: a rebuild into a new index is then the way on."""
+    return isinstance(exc, IndexDamagedError) or isinstance(exc.__cause__, _LMDB_DAMAGE)
 
 
 _ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
@@ -327,12 +384,12 @@ class Index:
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
         """A read transaction. LMDB's own errors inside it (a page of a damaged file) become a
-        CorruptionError that says to rebuild the index (it is a cache)."""
+        IndexDamagedError (a CorruptionError) that says to rebuild the index (it is a cache)."""
         try:
             with self.env.begin(write=False, buffers=False) as txn:
                 yield txn
-        except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError) as exc:
-            raise CorruptionError(f"the index of the store at {os.path.dirname(self.path)} is damaged "
+        except _LMDB_DAMAGE as exc:
+            raise IndexDamagedError(f"the index of the store at {os.path.dirname(self.path)} is damaged "
                                   f"({type(exc).__name__}: {exc}); `cas repair` rebuilds it from the store") from exc
 
     @contextmanager

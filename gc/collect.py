@@ -26,7 +26,7 @@ from cas.errors import CasError, CorruptionError
 from cas.index import WHERE_PACK
 from cas.packs import PACK_ENTRY_HEADER, PACK_HEADER, PACK_TARGET
 from cas.progress import ProgressCallback
-from cas.store.cache import move_aside, stored_anywhere
+from cas.store.cache import stored_anywhere
 from cas.store.registry import Checkpoint
 from cas.store.tree import node_children, parse_node
 
@@ -410,19 +410,11 @@ def _fold_live(store, seq: int, digest: bytes | None, live: dict[int, bytes],
 
 
 def _rebuild_index(store, reason: str) -> None:
-    """Move the index aside and build a new one from the store, as an open does with a damaged
-    index: writing into a file whose bytes were overwritten is not safe (LMDB's own free-page
-    lists may be among them). This process's other users reopen it (`ensure_cache`), other
-    processes as when an index is deleted under them. Not while a save of this store is open in
-    this process (it would commit into the old file): gc then stops, deleting nothing."""
-    with store.objects.sessions_lock:
-        busy = store.objects.open_sessions
-    if busy or not store.location.local:
+    """Move the index aside and build a new one from the store (store.replace_damaged_index);
+    not while a save of this store is open in this process: gc then stops, deleting nothing."""
+    if store.replace_damaged_index(f"gc found the index inconsistent with the store ({reason})") is None:
         raise CasError(f"gc stopped before deleting anything: {reason}, so the index may be damaged; run "
                        "`cas repair` (it rebuilds it from the store), then gc again")
-    aside = move_aside(store.index.path)
-    store.cache_report.reason = f"gc found the index inconsistent with the store ({reason}); moved to {aside}"
-    store.ensure_cache()  # reopens the index at its path: a new one, rebuilt from the store
 
 
 def _remove_superseded_files(store, report: GcReport, keys) -> None:

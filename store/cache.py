@@ -198,6 +198,30 @@ def stored_anywhere(store, keys) -> bool:
     return bool(report.skipped) or not wanted.isdisjoint(copies)
 
 
+def intact_copy(store, key: bytes) -> bool:
+    """Whether the store holds a copy of `key` that reads back whole: an object file or a pack
+    entry (found as a rebuild finds them) that decodes to its key, or a delta whose header
+    parses (its payload needs its base). A load asks this of an object the shared index has no
+    record of before it rebuilds the index: a damaged copy a repair quarantined stays in its
+    pack while the pack holds live objects, and must not be indexed again."""
+    namer = namer_of(store.objects.packs.backend)
+    blobs = []
+    if store.objects.files.has(key) is not None:
+        blobs.append(lambda: store.objects.files.get(key))
+    copies: dict[bytes, list[ObjectRecord]] = {}
+    _scan_packs(store.objects.packs, copies, RebuildReport(), check=False)
+    for rec in copies.get(key, []):
+        blobs.append(lambda rec=rec: store.objects.packs.read(rec.pack, rec.offset, rec.stored_size, key))
+    for read in blobs:
+        try:
+            blob = read()
+            if parse_header(blob, key=key).base is not None or decode_into(blob, key, namer=namer) is not None:
+                return True
+        except (CorruptionError, OSError):
+            continue
+    return False
+
+
 def _forget_deleted_packs(copies: dict[bytes, list[ObjectRecord]], entries) -> None:
     """Drop the copies in packs a gc's delete entry names (a gc that died before it deleted
     them all): their objects are stored elsewhere or nowhere, and the next gc removes the rest."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 import warnings
 
+from cas.errors import CasError
+
 from . import cache
 from .registry import Registry
 
@@ -42,11 +44,7 @@ class CacheKeeping:
                     reason = self.registry.registry_damage(txn)
             if reason is None:
                 return  # current when looked at: its writers keep it so (a later look may find a newer commit)
-            self.cache_report.reason = reason
-            self.index.close()
-            self.index, self._private_cache = cache.private_index()
-            self.objects.index = self.index
-            self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
+            self._use_private_cache(reason)
         cache.ensure_current(self, self.cache_report)
         for problem in self.cache_report.salvaged:
             warnings.warn(f"cas: {problem}; this read-only open folded the record log around it: a checkpoint that "
@@ -98,6 +96,7 @@ class CacheKeeping:
         every reopen), so it is rebuilt from the bucket, once per open, before the object is
         called missing."""
         if not self._cache_is_own():
+            self._heal_shared_cache(key, rec)
             return
         self.ensure_cache()
         if self.location.local or self._cache_rebuilt or self.objects.record(key) != rec:
@@ -112,6 +111,65 @@ class CacheKeeping:
             with self.index.write() as txn:
                 self.cache_report.reason = f"object {key.hex()} is not where this host's cache placed it"
                 cache.rebuild(self, txn, self.cache_report)
+
+    def _heal_shared_cache(self, key: bytes, rec) -> None:
+        """The shared cache of a local store placed `key` where it is not, or nowhere, and no
+        writer has moved it since (they keep that cache current): when the store holds it after
+        all, the cache lost records (bytes of its file overwritten; an audit's loads of intact
+        checkpoints said "object file is missing"). The cache is then moved aside and rebuilt
+        from the store, once per open; a read-only open builds a private one instead."""
+        with self._heal_lock:
+            if self._cache_rebuilt or self.objects.record(key) != rec or not cache.intact_copy(self, key):
+                return
+            reason = f"its index had no record of object {key.hex()}, which the store holds"
+            if self.readonly:
+                self._cache_rebuilt = True
+                self._use_private_cache(reason)
+                cache.ensure_current(self, self.cache_report)
+                warnings.warn(f"cas: the store at {self.path}: {reason}; this read-only open reads from a private "
+                              "cache built from the store (`cas repair` rebuilds the index)", stacklevel=2)
+                return
+            if self.replace_damaged_index(reason) is not None:
+                self._cache_rebuilt = True
+
+    def replace_damaged_index(self, reason: str) -> str | None:
+        """Move the shared index of a local store aside and build a new one from the store, as
+        an open does with a damaged index: writing into a file whose bytes were overwritten is
+        not safe (LMDB's own free-page lists may be among them). This process's other users
+        reopen it (`ensure_cache`), other processes as when an index is deleted under them.
+        Where the index was moved, or None while a save of this store is open in this process
+        (it would commit into the old file)."""
+        with self.objects.sessions_lock:
+            if self.objects.open_sessions or not self.location.local or self._private_cache is not None:
+                return None
+            damaged = self._damage_found()
+            aside = cache.move_aside(self.index.path)
+        self.ensure_cache()  # reopens the index at its path: a new one, rebuilt from the store
+        if damaged:  # saves go on refusing to reuse them
+            with self.index.write() as txn:
+                for key, info in damaged:
+                    self.index.put_damaged(txn, key, info)
+        self.cache_report.reason, self.cache_report.moved_aside = f"{reason}; the index was moved aside and rebuilt", aside
+        warnings.warn(f"cas: the store at {self.path}: {reason}; its index was moved to {aside} and rebuilt from "
+                      "the store", stacklevel=2)
+        return aside
+
+    def _damage_found(self) -> list[tuple[bytes, dict]]:
+        """The objects the index records as found damaged, as far as it can still be read."""
+        try:
+            with self.index.read() as txn:
+                return list(self.index.iter_damaged(txn))
+        except (CasError, ValueError):  # (a record msgpack cannot read)
+            return []
+
+    def _use_private_cache(self, reason: str) -> None:
+        """Read from a private cache from now on (a read-only open whose shared one does not
+        match the store); built by the caller's ensure_current."""
+        self.cache_report.reason = reason
+        self._old_indexes.append(self.index)
+        self.index, self._private_cache = cache.private_index()
+        self.objects.index = self.index
+        self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
 
     def _see_other_commits(self) -> None:
         """Before the registry is read for a caller: a cache of this process's own first folds

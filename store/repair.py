@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import os
 
+from cas.errors import CasError
+from cas.index import found_damage, unreadable
+
 from . import layout as L
-from .cache import RebuildReport, rebuild
+from .cache import RebuildReport, move_aside, rebuild
 
 RepairReport = RebuildReport
 
@@ -22,12 +25,32 @@ RepairReport = RebuildReport
 def repair(path: str, key=None) -> RebuildReport:
     """Rebuild the cache of the store at `path` (a folder, or a bucket URL: this host's cache of
     it), decoding every full object in a pack to skip damaged copies (a plain open only reads
-    headers), and write back the log entries and config it read as written."""
+    headers), and write back the log entries and config it read as written. An index that
+    cannot be read through (tried in a child process first: some damage kills the reader), or
+    that LMDB finds damaged while it is rebuilt, is moved aside and a new one built: writing
+    into a damaged LMDB file is not safe."""
     from .location import locate
-    from .store import CheckpointStore  # the store opens its cache, upgrading a format-1 store
 
     where = locate(path)
-    where.read_config()  # only a store is repaired: never create one here
+    config = where.read_config()  # only a store is repaired: never create one here
+    folder = where.index_dir(config)
+    damage = unreadable(folder) if os.path.isdir(folder) else None
+    moved = move_aside(folder) if damage else None
+    try:
+        report = _rebuild(path, where, key)
+    except CasError as exc:
+        if moved is not None or not found_damage(exc):
+            raise
+        damage, moved = str(exc), move_aside(folder)
+        report = _rebuild(path, where, key)
+    if moved is not None:
+        report.moved_aside, report.reason = moved, f"the index was damaged ({damage})"
+    return report
+
+
+def _rebuild(path: str, where, key) -> RebuildReport:
+    from .store import CheckpointStore  # the store opens its cache, upgrading a format-1 store
+
     with CheckpointStore(path, create=False, key=key) as store:
         report = store.cache_report
         with store.index.write() as txn:

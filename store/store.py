@@ -93,7 +93,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self.backend = where.backend
         self.records = RecordLog(self.backend, self.path)
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
-        self._cache_rebuilt = False  # a bucket host's cache rebuilt for an object it misplaced (once per open)
+        self._cache_rebuilt = False  # a cache rebuilt for an object it misplaced or lost (once per open)
+        self._heal_lock = threading.Lock()  # read threads that find it so at once: one rebuilds
         self._open_cache()
         pack_max, pack_target = where.packing(opts.pack_max)
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),

@@ -135,6 +135,9 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
     """Presence, size and header of an object, and of its delta bases, from the index, without
     reading its payload."""
     rec = objects.record(key)
+    if rec is None and objects.on_missing is not None:  # the index may have lost it: the store's look
+        objects.on_missing(key, None)
+        rec = objects.record(key)
     if rec is None:
         raise MissingObjectError("object is not in the index", key=key.hex())
     if rec.where == WHERE_PACK:

@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -327,6 +328,102 @@ def test_gc_over_a_store_that_lost_an_object_does_not_rebuild_its_index_each_tim
         assert len(aside()) == 1 and report.objects_missing == 1
         assert store.objects.record(kept) is not None
     assert "1 objects the checkpoints need are missing" in cli("gc", "--keep-all", path=path).stdout
+
+
+def build_packed(path) -> list[tuple]:
+    """Steps 1-3 in packs (the default pack_max), step 2 a milestone; the flags as held."""
+    with cas.open(path, chunk_size=64 << 10) as store:
+        for step in (1, 2, 3):
+            store.save(state_of([step, step + 10, 99]), step=step)
+        store.set_milestone(2)
+        return flags(store)
+
+
+LEAF, OVERFLOW, PAGE = 0x02, 0x04, 4096  # LMDB page flags, and its page size here
+
+
+def kill_a_reader(path) -> None:
+    """Point the first node of an index leaf page past the end of the file, trying the pages
+    from the last until a `cas verify` dies of the signal (LMDB reads the node through its map)."""
+    data = path / "index" / "data.mdb"
+    pages = data.read_bytes()
+    for page in reversed(range(2, len(pages) // PAGE)):
+        flag, lower = struct.unpack_from("<HH", pages, page * PAGE + 10)
+        if flag != LEAF or lower <= 16:
+            continue
+        with open(data, "r+b") as f:
+            f.write(pages)
+            f.seek(page * PAGE + 16)
+            f.write(struct.pack("<H", 0xFFF8))  # the node's offset in its page
+        if cli("verify", path=path).returncode < 0:
+            return
+    raise AssertionError("no leaf page whose damage kills a reader")
+
+
+def page_of_wrong_type(path) -> None:
+    """Mark every page holding an object's record as an overflow page: LMDB raises
+    MDB_CORRUPTED ("Located page was wrong type") when it reaches one, reading or writing."""
+    with cas.open(path) as store, store.index.read() as txn:
+        keys = [key for key, _ in store.index.iter_records(txn)]
+    key = keys[len(keys) // 2]
+    data = path / "index" / "data.mdb"
+    pages = data.read_bytes()
+    found = [at for at in range(len(pages)) if pages.startswith(key, at) and struct.unpack_from("<H", pages, at - 2)[0] == 32]
+    assert found
+    with open(data, "r+b") as f:
+        for at in found:  # the key of a node (its size field before it): the live page and its old copies
+            f.seek(at // PAGE * PAGE + 10)
+            f.write(struct.pack("<H", OVERFLOW))
+
+
+@pytest.mark.parametrize("damage", [kill_a_reader, page_of_wrong_type], ids=["kills a reader", "page of wrong type"])
+def test_repair_moves_aside_an_index_it_cannot_read_through_and_builds_a_new_one(tmp_path, damage):
+    """`cas repair`, the way out that every error about a damaged index names, rebuilt the
+    index in place: damage that made LMDB read past the end of its file killed repair too
+    (SIGBUS), and a page of the wrong type failed its write ("writing to the index ... failed;
+    `cas repair` rebuilds it"). Repair now reads the index through in a child process first,
+    moves one it cannot read aside and builds a new one from the store."""
+    path = tmp_path / "s"
+    expected = build_packed(path)
+    damage(path)
+    done = cli("repair", path=path)
+    assert done.returncode == 0 and "the damaged index was moved to" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert [name for name in os.listdir(path) if name.startswith("index.damaged-")]
+    assert cli("verify", path=path).returncode == 0
+    with cas.open(path) as store:
+        assert flags(store) == expected
+        assert_loads(store, 3, [3, 13, 99])
+
+
+@pytest.mark.parametrize("first", ["load", "quick verify"])
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "read-only"])
+def test_a_load_that_finds_the_index_lost_records_rebuilds_it_from_the_store(tmp_path, readonly, first):
+    """An index whose object records were lost (bytes of its file overwritten) still names the
+    store's newest log entry, so it passed for current, and every load of a committed
+    checkpoint raised MissingObjectError ("object file is missing") although its packs were
+    whole. A load (or a verify) that finds an object the index does not know, but the store holds, now moves
+    the shared index aside and rebuilds it (once per open; a read-only open builds a private
+    cache and changes nothing), then reads on."""
+    path = tmp_path / "s"
+    expected = build_packed(path)
+    with cas.open(path) as store, store.index.write() as txn:
+        store.index.mark_damaged(txn, b"d" * 32, "found so by a load", "test")  # an object saves must not reuse
+        txn.drop(store.index.db("objects"), delete=False)
+    before = tree_digest(path)
+    with cas.open(path, readonly=readonly) as store:
+        with pytest.warns(UserWarning, match="had no record of object"):
+            if first == "load":
+                assert_loads(store, 3, [3, 13, 99])
+            else:
+                assert store.verify(quick=True).ok
+        assert_loads(store, 1, [1, 11, 99])
+        assert flags(store) == expected and store.verify().ok
+        assert (store.cache_report.moved_aside is None) == readonly
+    if readonly:
+        assert tree_digest(path) == before
+    else:
+        with cas.open(path) as store, store.index.read() as txn:  # the new index is the shared one
+            assert store.cache_report.reason is None and store.index.damaged(txn, b"d" * 32)
 
 
 def test_indexes_moved_aside_in_the_same_second_get_two_names(tmp_path):

@@ -330,7 +330,7 @@ def cmd_repair(path: str, args) -> int:
               "cache of the store")
     report = repair(path)
     if report.moved_aside:
-        print(f"the damaged index was moved to {report.moved_aside}")
+        print(f"the damaged index was moved to {report.moved_aside}" + (f": {report.reason}" if report.reason else ""))
     for item in report.skipped:
         print(f"skipped: {item}")
     if report.config_healed:
