@@ -56,7 +56,6 @@ import re
 import threading
 import warnings
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -74,6 +73,7 @@ from cas.errors import CasError, CheckpointNotFoundError, StoreKeyError
 from .opening import given_or_opened, open_named
 from .registry import Checkpoint
 from .store import CheckpointStore
+from .values import MAPPINGS
 
 PATHS_META = "lightning_paths"
 GLOBAL_STEP_META = "lightning_global_step"
@@ -556,9 +556,9 @@ def _paths(ck: Checkpoint) -> list[str]:
 
 
 def _plain(value):
-    """The checkpoint with dict subclasses other than OrderedDict (Lightning's AttributeDict of
-    hyper_parameters) as plain dicts, which the store holds; everything else as it is."""
-    if isinstance(value, dict) and not isinstance(value, OrderedDict):
+    """The checkpoint with dict subclasses the store does not hold (Lightning's AttributeDict of
+    hyper_parameters) as plain dicts; everything else as it is."""
+    if isinstance(value, dict) and type(value) not in MAPPINGS[1:]:
         return {k: _plain(v) for k, v in value.items()}
     if type(value) in (list, tuple):
         return type(value)(_plain(v) for v in value)

@@ -9,14 +9,13 @@ so defining it imports torch, which the rest of the store imports on first use).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
 import numpy as np
 
 from cas.errors import CasError, UnresumableStateError
 
 from .lazytorch import torch
-from .values import MAX_DEPTH
+from .values import MAPPINGS, MAX_DEPTH, remade
 
 
 def is_stateful(value) -> bool:
@@ -35,7 +34,7 @@ def resolve_stateful(value, where: tuple = (), inside: frozenset = frozenset()):
         except UnresumableStateError as exc:
             path = ".".join(map(str, where))
             raise UnresumableStateError(f"state entry {path!r}: {exc}" if path else str(exc)) from None
-    if type(value) not in (dict, OrderedDict, list, tuple):
+    if type(value) not in (*MAPPINGS, list, tuple):
         return value
     if id(value) in inside:
         raise TypeError(f"cannot store {'.'.join(map(str, where))!r}: this {type(value).__name__} contains "
@@ -43,11 +42,8 @@ def resolve_stateful(value, where: tuple = (), inside: frozenset = frozenset()):
     if len(where) > MAX_DEPTH:
         return value  # deeper than a checkpoint holds: plan() refuses it, naming the path
     inside = inside | {id(value)}
-    if type(value) in (dict, OrderedDict):
-        out = type(value)((k, resolve_stateful(v, (*where, k), inside)) for k, v in value.items())
-        if hasattr(value, "_metadata"):  # a module state dict's versions
-            out._metadata = value._metadata
-        return out
+    if type(value) in MAPPINGS:
+        return remade(value, ((k, resolve_stateful(v, (*where, k), inside)) for k, v in value.items()))
     return type(value)(resolve_stateful(v, (*where, i), inside) for i, v in enumerate(value))
 
 

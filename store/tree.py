@@ -23,8 +23,8 @@ from cas.hashing import KEY_SIZE, PLAIN, Namer
 
 from . import tensors as T
 from .lazytorch import torch
-from .values import (MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
-                     set_order, too_deep, unpack)
+from .values import (MAPPINGS, MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
+                     remade, set_order, too_deep, unpack)
 
 MANIFEST_FORMAT = 1
 MAX_DIMS = 64
@@ -98,10 +98,10 @@ def plan(state, *, chunk_size: int) -> tuple[object, list[TensorLeaf]]:
                 raise TypeError(f"cannot store numpy scalar of dtype {value.dtype} at {_where(path)}")
             _inner_level(value, level, path)
             return value
-        if kind in (dict, OrderedDict):
+        if kind in MAPPINGS:
             inner = _inner_level(value, level, path)
             items = [(_checked_key(k, path), walk(v, path_join(path, k), inner)) for k, v in value.items()]
-            out = kind(items)
+            out = remade(value, items)
             if kind is OrderedDict and hasattr(value, "_metadata"):
                 out._metadata = walk(_copied_metadata(value._metadata, path), path_join(path, "_metadata"), inner)
             return _wrap(out, (v for _, v in items))
@@ -237,13 +237,8 @@ def encode_nodes(skeleton, namer: Namer = PLAIN) -> tuple[Ref, dict[bytes, bytes
         return value
 
     def lower_container(c):
-        if isinstance(c, OrderedDict):
-            out = OrderedDict((k, lower(v)) for k, v in c.items())
-            if hasattr(c, "_metadata"):
-                out._metadata = c._metadata
-            return out
         if isinstance(c, dict):
-            return {k: lower(v) for k, v in c.items()}
+            return remade(c, ((k, lower(v)) for k, v in c.items()))
         return type(c)(lower(v) for v in c)
 
     root = lower(skeleton)
@@ -326,13 +321,8 @@ def walk_value(value, visit: Callable[[object, str], object], path: str = "", ma
     by `visit(item, path)`."""
     if isinstance(value, match):
         return visit(value, path)
-    if isinstance(value, OrderedDict):
-        out = OrderedDict((k, walk_value(v, visit, path_join(path, k), match)) for k, v in value.items())
-        if hasattr(value, "_metadata"):
-            out._metadata = value._metadata
-        return out
     if isinstance(value, dict):
-        return {k: walk_value(v, visit, path_join(path, k), match) for k, v in value.items()}
+        return remade(value, ((k, walk_value(v, visit, path_join(path, k), match)) for k, v in value.items()))
     if isinstance(value, list):
         return [walk_value(v, visit, path_join(path, i), match) for i, v in enumerate(value)]
     if isinstance(value, tuple):

@@ -2,14 +2,14 @@
 
 msgpack keeps None, bool, int (64-bit), float (as float64, so NaN, inf and -0.0 are exact),
 str, bytes, lists and maps (with str and int keys, in order). Extension types carry what it
-would lose: tuples, OrderedDicts (with a state dict's `_metadata`), integers beyond 64 bits,
+would lose: tuples, OrderedDicts (with a state dict's `_metadata`), Counters, integers beyond 64 bits,
 numpy scalars, sets and frozensets, torch dtypes (by name), and references to child nodes. Decoding is bounded: nesting depth and sizes
 are limited, and anything malformed is a CorruptionError.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import msgpack
@@ -26,6 +26,7 @@ EXT_ODICT = 5  # packed [[key, value]...] pairs, then the `_metadata` value or n
 EXT_TORCH_DTYPE = 6  # a torch dtype's name (store/tensors.py TORCH_DTYPE_LAYOUT), UTF-8
 EXT_SET = 7  # packed array of the elements, in a fixed order (set_order)
 EXT_FROZENSET = 8  # the same, for a frozenset
+EXT_COUNTER = 9  # packed [[key, count]...] pairs (a MultiStepLR's milestones)
 # msgpack levels one node may nest: the node itself is level 1, and every value that opens a
 # level (`opens_level`) puts what it holds one level deeper. Decoding refuses a deeper node; the
 # planner counts the same way (and counts lists and dicts too), so a state it accepts loads.
@@ -50,8 +51,27 @@ class _Depth:
 
 def opens_level(value) -> bool:
     """Whether decoding `value` unpacks a msgpack payload of its own, one level deeper: the
-    extension types whose payload is packed msgpack (tuples, OrderedDicts, numpy scalars, sets)."""
-    return isinstance(value, (tuple, OrderedDict, np.generic, set, frozenset))
+    extension types whose payload is packed msgpack (tuples, OrderedDicts, Counters, numpy
+    scalars, sets)."""
+    return isinstance(value, (tuple, OrderedDict, Counter, np.generic, set, frozenset))
+
+
+MAPPINGS = (dict, OrderedDict, Counter)  # the mapping types a state may hold, each loaded as itself
+
+
+def remade(like: dict, items) -> dict:
+    """A mapping of `like`'s type (dict, OrderedDict with its `_metadata`, Counter) holding the
+    (key, value) pairs `items`: what walks over a state build in its place."""
+    if isinstance(like, Counter):
+        out = Counter()
+        dict.update(out, items)  # Counter(items) would count the pairs
+        return out
+    if isinstance(like, OrderedDict):
+        out = OrderedDict(items)
+        if hasattr(like, "_metadata"):  # a module state dict's versions
+            out._metadata = like._metadata
+        return out
+    return dict(items)
 
 
 def set_order(items) -> list:
@@ -105,6 +125,8 @@ def _default(obj):
     if isinstance(obj, OrderedDict):
         meta = getattr(obj, "_metadata", None)
         return msgpack.ExtType(EXT_ODICT, pack([[[k, v] for k, v in obj.items()], meta]))
+    if isinstance(obj, Counter):
+        return msgpack.ExtType(EXT_COUNTER, pack([[k, v] for k, v in obj.items()]))
     if isinstance(obj, int):  # beyond 64 bits (msgpack refuses it natively), or an int subclass
         n = int(obj)
         size = (n.bit_length() + 8) // 8
@@ -167,6 +189,12 @@ def _ext(code: int, payload: bytes, depth: _Depth):
         if body[1] is not None:
             out._metadata = body[1]
         return out
+    if code == EXT_COUNTER:
+        pairs = _unpack(payload, depth)
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and not isinstance(p[0], (list, dict))
+                                                  for p in pairs):
+            raise CorruptionError("Counter extension is malformed")
+        return remade(Counter(), pairs)
     if code == EXT_BIGINT:
         if len(payload) > MAX_BIGINT_BYTES:
             raise CorruptionError("integer extension is implausibly large")

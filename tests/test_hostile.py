@@ -72,6 +72,8 @@ def test_manifest_reader_raises_our_errors_on_anything_malformed(data):
     msgpack.packb(msgpack.ExtType(1, b"short")),  # a reference of the wrong length
     msgpack.packb(msgpack.ExtType(7, msgpack.packb([[1, 2]]))),  # a set holding a list (unhashable)
     msgpack.packb(msgpack.ExtType(8, msgpack.packb({"a": 1}))),  # a frozenset that is no array
+    msgpack.packb(msgpack.ExtType(9, msgpack.packb([[1, 2, 3]]))),  # a Counter whose pair is no pair
+    msgpack.packb(msgpack.ExtType(9, msgpack.packb([[[1], 2]]))),  # a Counter keyed by a list
     msgpack.packb(msgpack.ExtType(6, b"os.system")),  # a torch dtype name that is none
     msgpack.packb(msgpack.ExtType(6, b"\xff\xfe")),  # not UTF-8
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
@@ -73,7 +73,8 @@ states = st.recursive(
     lambda children: (st.lists(children, max_size=4)
                       | st.lists(children, max_size=4).map(tuple)
                       | st.dictionaries(keys, children, max_size=4)
-                      | st.dictionaries(keys, children, max_size=4).map(OrderedDict)),
+                      | st.dictionaries(keys, children, max_size=4).map(OrderedDict)
+                      | st.dictionaries(keys, children, max_size=4).map(Counter)),
     max_leaves=12,
 )
 
@@ -107,11 +108,16 @@ def test_training_states_round_trip(store):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    steps_opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    steps = torch.optim.lr_scheduler.MultiStepLR(steps_opt, milestones=[2, 4, 4], gamma=0.5)  # milestones: a Counter
     for _ in range(3):
         model(torch.randn(8, 16)).square().mean().backward()
         opt.step()
         sched.step()
+        steps_opt.step()
+        steps.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "multistep": steps.state_dict(), "sgd": steps_opt.state_dict(),
              "py_rng": random.getstate(), "np_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(),
              "step": 3}
     store.save(state, step=3)
@@ -119,6 +125,16 @@ def test_training_states_round_trip(store):
     assert_same(loaded, state)
     fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
     fresh.load_state_dict(loaded["model"])  # _metadata (BatchNorm's version) came back too
+    resumed_opt = torch.optim.SGD(fresh.parameters(), lr=1.0)
+    resumed = torch.optim.lr_scheduler.MultiStepLR(resumed_opt, milestones=[9])
+    resumed_opt.load_state_dict(loaded["sgd"])
+    resumed.load_state_dict(loaded["multistep"])  # it refused the Counter: a TypeError at save
+    for _ in range(3):
+        steps_opt.step()
+        steps.step()
+        resumed_opt.step()
+        resumed.step()
+        assert resumed.get_last_lr() == steps.get_last_lr()
     random.setstate(loaded["py_rng"])
     np.random.set_state(loaded["np_rng"])
     torch.set_rng_state(loaded["torch_rng"])
