@@ -123,6 +123,81 @@ def test_a_callback_handed_a_path_opens_the_store_as_cas_open_does(tmp_path):
     callback.store.close()
 
 
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, _args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def test_a_checkpoints_metrics_are_those_logged_at_its_step(tmp_path):
+    """The callback recorded the last log entry whatever step it came from: with saves more
+    frequent than logs and evals, checkpoint 4 carried step 3's eval_loss (its "step" said 3),
+    and a keep_best retention ranked checkpoints by scores of models never stored. A
+    training and an evaluation entry of the same step were not merged (the loss was lost)."""
+    dataset, model, args = hf_parts(tmp_path)
+    arguments = args("run")
+    arguments.save_steps, arguments.logging_steps, arguments.eval_strategy, arguments.eval_steps = 2, 3, "steps", 3
+    callback = CasCallback(tmp_path / "store")
+    transformers.Trainer(model(), arguments, train_dataset=dataset, eval_dataset=dataset[:8],
+                         callbacks=[callback]).train()
+    metrics = {ck.step: ck.metrics for ck in callback.store.checkpoints()}
+    assert sorted(metrics) == [2, 4, 6] and metrics[2] == metrics[4] == {}
+    assert metrics[6]["step"] == 6 and {"loss", "learning_rate", "eval_loss"} <= metrics[6].keys()
+    callback.store.close()
+
+
+@pytest.mark.parametrize("best", ["first", "last"])
+def test_a_resume_without_its_folders_ends_with_the_best_model_and_only_its_folder(tmp_path, best):
+    """keep_folders=False and load_best_model_at_end, a run stopped at step 3 and resumed from
+    the store. When step 3 stays best and its folder is gone (a new machine, a wiped scratch
+    folder), the Trainer dropped it with a warning and ended with the last weights: resume now
+    writes the best folder again from the store. When step 6 becomes best, the resumed run's
+    callback did not know the folder the run before kept, and left it behind for good."""
+    dataset, model, args = hf_parts(tmp_path)
+
+    def arguments(name: str):
+        out = args(name)
+        out.eval_strategy, out.eval_steps, out.load_best_model_at_end = "steps", 3, True
+        out.metric_for_best_model, out.greater_is_better = "eval_loss", best == "first"  # the loss falls
+        return out
+
+    full = transformers.Trainer(model(), arguments("full"), train_dataset=dataset, eval_dataset=dataset[:8])
+    full.train()
+    callback = CasCallback(tmp_path / "store", keep_folders=False)
+    transformers.Trainer(model(), arguments("run"), train_dataset=dataset, eval_dataset=dataset[:8],
+                         callbacks=[callback, StopAt(3)]).train()
+    assert os.listdir(tmp_path / "run") == ["checkpoint-3"]  # the best so far
+    callback.store.close()
+    if best == "first":
+        import shutil
+
+        shutil.rmtree(tmp_path / "run")  # only the store is left
+    again = transformers.Trainer(model(seed=1), arguments("run"), train_dataset=dataset, eval_dataset=dataset[:8],
+                                 callbacks=[CasCallback(tmp_path / "store", keep_folders=False)])
+    resume(again, tmp_path / "store")
+    assert again.state.best_model_checkpoint.endswith("checkpoint-3" if best == "first" else "checkpoint-6")
+    assert_same(again.model.state_dict(), full.model.state_dict())
+    assert os.listdir(tmp_path / "run") == [os.path.basename(again.state.best_model_checkpoint)]
+
+
+def test_resume_opens_a_path_with_store_options_and_never_makes_a_store(tmp_path, monkeypatch):
+    """resume(trainer, path, key=K) handed key= to Trainer.train() (a TypeError), and without it
+    the store opened keyless (KeyRequiredError); a mistyped path got an empty store made there."""
+    monkeypatch.setenv("CAS_SCRYPT_LOG_N", "10")  # a cheap passphrase KDF for the test
+    dataset, model, args = hf_parts(tmp_path)
+    callback = CasCallback(tmp_path / "store", key="a passphrase")
+    transformers.Trainer(model(), args("first"), train_dataset=dataset, callbacks=[callback, StopAt(3)]).train()
+    callback.store.close()
+    again = transformers.Trainer(model(seed=1), args("again"), train_dataset=dataset)
+    resume(again, tmp_path / "store", key="a passphrase")
+    assert again.state.global_step == 6
+    with pytest.raises(cas.NotAStoreError):
+        resume(transformers.Trainer(model(), args("other"), train_dataset=dataset), tmp_path / "no-such-store")
+    assert not os.path.exists(tmp_path / "no-such-store")
+
+
 HF_DDP_WORKER = r'''
 import json, os, sys
 import torch, torch.distributed as dist, transformers
