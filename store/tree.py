@@ -219,8 +219,33 @@ class NodeWriter:
         self.blobs[key] = data
         return key
 
-    def emit(self, node: dict) -> Ref:
-        return Ref(self.add(pack(node)))
+    def emit(self, node: dict, path: str = "") -> Ref:
+        """The node's reference; a node larger than an object may be (a reader refuses its
+        header) is a TypeError naming `path`, raised before anything is committed: a save of
+        a 2 GiB bytes value committed a checkpoint no load could read (audit of stop 38)."""
+        data = pack(node)
+        if len(data) > MAX_NODE_BYTES:
+            biggest = max(_plain_sizes(node.get("v"), path), default=None)
+            raise TypeError(f"cannot store {_where(path)}: its plain values pack to {len(data)} bytes, more than the "
+                            f"{MAX_NODE_BYTES} one checkpoint node holds"
+                            + (f" (the largest, at {_where(biggest[1])}, is {biggest[0]} bytes)" if biggest else "")
+                            + "; store large bytes as a uint8 tensor (torch.frombuffer(data, dtype=torch.uint8))")
+        return Ref(self.add(data))
+
+
+MAX_NODE_BYTES = MAX_OBJECT_RAW  # what a reader accepts of one object (cas/codecs.py)
+
+
+def _plain_sizes(value, path: str) -> Iterator[tuple[int, str]]:
+    """(size, path) of each str and bytes value of a node's plain values."""
+    if isinstance(value, (str, bytes)):
+        yield len(value), path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _plain_sizes(v, path_join(path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _plain_sizes(v, path_join(path, i))
 
 
 def encode_nodes(skeleton, namer: Namer = PLAIN) -> tuple[Ref, dict[bytes, bytes]]:
@@ -229,21 +254,21 @@ def encode_nodes(skeleton, namer: Namer = PLAIN) -> tuple[Ref, dict[bytes, bytes
     nodes = NodeWriter(namer)
     emit = nodes.emit
 
-    def lower(value):
+    def lower(value, path: str):
         if isinstance(value, TensorLeaf):
-            return emit(value.node())
+            return emit(value.node(), path)
         if isinstance(value, _Container):
-            return emit({"k": "value", "v": lower_container(value.value)})
+            return emit({"k": "value", "v": lower_container(value.value, path)}, path)
         return value
 
-    def lower_container(c):
+    def lower_container(c, path: str):
         if isinstance(c, dict):
-            return remade(c, ((k, lower(v)) for k, v in c.items()))
-        return type(c)(lower(v) for v in c)
+            return remade(c, ((k, lower(v, path_join(path, k))) for k, v in c.items()))
+        return type(c)(lower(v, path_join(path, i)) for i, v in enumerate(c))
 
-    root = lower(skeleton)
+    root = lower(skeleton, "")
     if not isinstance(root, Ref):  # a state without tensors still gets a root node
-        root = emit({"k": "value", "v": root})
+        root = emit({"k": "value", "v": root}, "")
     return root, nodes.blobs
 
 
