@@ -64,20 +64,31 @@ def diff(store, a: int, b: int, marker_cls, *, progress: ProgressCallback | None
     without reading tensor bytes; only changed floating tensors are loaded, for the max abs diff."""
     reader_a, reader_b = store.reader(a), store.reader(b)
     ck_a, ck_b = reader_a.checkpoint, reader_b.checkpoint
-    before, after = reader_a.tensor_leaves(), reader_b.tensor_leaves()
-    changes = [_compare(path, before.get(path), leaf) for path, leaf in after.items()]
-    changes += [_compare(path, leaf, None) for path, leaf in before.items() if path not in after]
+    pairs = _paired(reader_a.paths_of_tensors(), reader_b.paths_of_tensors())
+    changes = [_compare(path, old, new) for path, old, new in pairs]
     measurable = [i for i, c in enumerate(changes) if c.status == "changed"
-                  and _comparable(before[c.path].node, after[c.path].node)]
+                  and _comparable(pairs[i][1].node, pairs[i][2].node)]
     for n, i in enumerate(measurable, 1):
-        path = changes[i].path
-        delta = max_abs_diff(reader_a.read_tensor(before[path]), reader_b.read_tensor(after[path]))
+        _, old, new = pairs[i]
+        delta = max_abs_diff(reader_a.read_tensor(old), reader_b.read_tensor(new))
         changes[i] = replace(changes[i], max_abs_diff=delta)
         if progress:
             progress("diff", n, len(measurable))
     live_a, live_b = reachable(store, ck_a, marker_cls), reachable(store, ck_b, marker_cls)
     sizes = stored_sizes(store, live_a | live_b)
     return DiffReport(a, b, changes, _total(sizes, live_a), _total(sizes, live_b), _total(sizes, live_a & live_b))
+
+
+def _paired(before: dict[str, list[Leaf]], after: dict[str, list[Leaf]]) -> list[tuple]:
+    """(path, old leaf or None, new leaf or None) per tensor, in the newer checkpoint's order and
+    then the removed ones; the n-th of several tensors at one path with the n-th (paths can
+    coincide: reader.paths_of_tensors)."""
+    pairs = []
+    for path in [*after, *(p for p in before if p not in after)]:
+        old, new = before.get(path, []), after.get(path, [])
+        pairs += [(path, old[i] if i < len(old) else None, new[i] if i < len(new) else None)
+                  for i in range(max(len(old), len(new)))]
+    return pairs
 
 
 def _describe(node: dict) -> str:

@@ -139,8 +139,19 @@ class CheckpointReader:
             yield Leaf(path, value=value)
 
     def tensor_leaves(self, keys=None) -> dict[str, Leaf]:
-        """The tensor leaves by path (of the top-level `keys` only, when given)."""
+        """The tensor leaves by path (of the top-level `keys` only, when given); of tensors
+        whose paths coincide (see paths_of_tensors), the last."""
         return {leaf.path: leaf for leaf in self.leaves(keys) if leaf.is_tensor}
+
+    def paths_of_tensors(self, keys=None) -> dict[str, list[Leaf]]:
+        """The tensor leaves by path, in state order. Dotted paths of two tensors can coincide
+        ({"a.b": t, "a": {"b": u}}, the int key 1 beside the str key "1", an empty key): such
+        a path names a list of several."""
+        out: dict[str, list[Leaf]] = {}
+        for leaf in self.leaves(keys):
+            if leaf.is_tensor:
+                out.setdefault(leaf.path, []).append(leaf)
+        return out
 
     def tensors(self) -> list[dict]:
         """Per tensor: path, lib, dtype, shape, bytes and chunk keys (for `cas show`)."""
@@ -153,10 +164,14 @@ class CheckpointReader:
     def read_tensor(self, leaf: Leaf | str):
         """Decode one tensor (every chunk checked against its hash) without the rest."""
         if isinstance(leaf, str):
-            found = self.tensor_leaves().get(leaf)
-            if found is None:
+            found = self.paths_of_tensors().get(leaf, [])
+            if not found:
                 raise CheckpointNotFoundError(f"checkpoint step {self.step} has no tensor {leaf!r}")
-            leaf = found
+            if len(found) > 1:  # it returned the last of them, silently
+                raise CasError(f"the path {leaf!r} names {len(found)} tensors of checkpoint step {self.step} (a key "
+                               "holding '.', an int key beside the same str key, or an empty key); pass "
+                               "read_tensor the Leaf of the one you mean, from reader.leaves()")
+            leaf = found[0]
         elif not isinstance(leaf, Leaf) or not leaf.is_tensor:
             raise TypeError(f"read_tensor takes a tensor's path (a str) or a tensor Leaf from tensor_leaves(), "
                             f"got {type(leaf).__name__} {leaf!r:.80}")

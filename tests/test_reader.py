@@ -89,3 +89,22 @@ def test_a_reader_keeps_reading_the_checkpoint_it_resolved(tmp_path):
         store.delete(1)
         assert reader.step == 1 and torch.equal(reader.materialize()["w"], torch.zeros(4))
         assert store.reader().step == 2
+
+
+@pytest.mark.parametrize("state, path", [
+    (lambda t, u: {"a.b": t, "a": {"b": u}}, "a.b"),
+    (lambda t, u: {1: t, "1": u}, "1"),
+    (lambda t, u: {"a": t, "": {"a": u}}, "a"),
+], ids=["dotted key", "int and str key", "empty key"])
+def test_a_path_that_names_two_tensors_is_refused_and_diff_pairs_them_in_order(tmp_path, state, path):
+    """Dotted paths of two tensors can coincide; read_tensor(path) returned the last of them,
+    silently, whichever the caller meant, and diff compared only the last (audit of stop 38)."""
+    with cas.open(tmp_path / "s") as store:
+        store.save(state(torch.ones(2), torch.zeros(2)), step=1)
+        store.save(state(torch.ones(2), torch.zeros(2) + 5), step=2)  # the second one changes
+        reader = store.reader(1)
+        with pytest.raises(cas.CasError, match=f"the path '{path}' names 2 tensors of checkpoint step 1"):
+            reader.read_tensor(path)
+        assert [reader.read_tensor(leaf).tolist() for leaf in reader.leaves()] == [[1.0, 1.0], [0.0, 0.0]]
+        changes = [(c.path, c.status, c.max_abs_diff) for c in store.diff(1, 2).tensors]
+        assert changes == [(path, "unchanged", None), (path, "changed", 5.0)]
