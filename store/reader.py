@@ -136,7 +136,7 @@ class CheckpointReader:
             for i, v in enumerate(value):
                 yield from self._leaves(v, path_join(path, i))
         else:
-            yield Leaf(path, value=value)
+            yield Leaf(path, value=set(value) if isinstance(value, set) else value)  # (the cached node's is shared)
 
     def tensor_leaves(self, keys=None) -> dict[str, Leaf]:
         """The tensor leaves by path (of the top-level `keys` only, when given); of tensors

@@ -343,11 +343,18 @@ def chunk_spans(nbytes: int, chunk: int, skew: int = 0) -> Iterator[tuple[int, i
 
 def walk_value(value, visit: Callable[[object, str], object], path: str = "", match: type = Ref):
     """Rebuild a plain value, replacing each instance of `match` (a Ref unless told otherwise)
-    by `visit(item, path)`."""
+    by `visit(item, path)`. Every mutable part is a new object: a reader caches the nodes it
+    parsed, and equal subtrees are one node, so handing out theirs made two places of a loaded
+    state (and the next load) one set or one `_metadata` (audit of stop 38)."""
     if isinstance(value, match):
         return visit(value, path)
+    if isinstance(value, set):
+        return set(value)  # (its elements are hashable, so immutable)
     if isinstance(value, dict):
-        return remade(value, ((k, walk_value(v, visit, path_join(path, k), match)) for k, v in value.items()))
+        out = remade(value, ((k, walk_value(v, visit, path_join(path, k), match)) for k, v in value.items()))
+        if hasattr(value, "_metadata"):
+            out._metadata = walk_value(value._metadata, visit, path_join(path, "_metadata"), match)
+        return out
     if isinstance(value, list):
         return [walk_value(v, visit, path_join(path, i), match) for i, v in enumerate(value)]
     if isinstance(value, tuple):

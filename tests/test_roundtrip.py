@@ -151,3 +151,22 @@ def test_non_contiguous_views_of_dtypes_torch_cannot_copy(store, dtype):
     t = make_tensor(dtype, (300, 130), 0, "transposed")
     store.save({"t": t}, step=1)
     assert_same(store.load(1), {"t": t})
+
+
+def test_equal_parts_of_a_loaded_state_are_distinct_objects(store):
+    """Two equal entries holding tensors are one manifest node, and a reader caches the nodes it
+    parsed: a loaded state's sets and `_metadata` were one object at both places and with the
+    reader's cache, so a change to one entry changed the other and the next load (stop 38)."""
+    def entry():
+        sd = OrderedDict(w=torch.ones(2))
+        sd._metadata = {"": {"version": 1}}
+        return {"tags": {"x"}, "sd": sd}
+
+    store.save({"a": entry(), "b": entry()}, step=1)
+    reader = store.reader(1)
+    out = reader.materialize()
+    out["a"]["tags"].add("changed")
+    out["a"]["sd"]._metadata[""]["version"] = 99
+    again = reader.materialize()
+    for loaded in (out["b"], again["a"], again["b"]):
+        assert loaded["tags"] == {"x"} and loaded["sd"]._metadata == {"": {"version": 1}}
