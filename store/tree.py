@@ -24,7 +24,7 @@ from cas.hashing import KEY_SIZE, PLAIN, Namer
 from . import tensors as T
 from .lazytorch import torch
 from .values import (MAPPINGS, MAX_BIGINT_BYTES, MAX_DEPTH, Ref, check_texts, checked_text, numpy_dtype, opens_level, pack,
-                     remade, set_order, too_deep, unpack)
+                     int_text, remade, set_order, too_deep, unpack)
 
 MANIFEST_FORMAT = 1
 MAX_DIMS = 64
@@ -64,7 +64,8 @@ class TensorLeaf:
 
 
 def path_join(path: str, key) -> str:
-    return f"{path}.{key}" if path else str(key)
+    text = key if isinstance(key, str) else int_text(key) if type(key) is int else str(key)
+    return f"{path}.{text}" if path else text
 
 
 class _Container:

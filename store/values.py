@@ -77,7 +77,28 @@ def remade(like: dict, items) -> dict:
 def set_order(items) -> list:
     """A set's elements in an order that does not depend on the process (str hashes are salted
     per process), so the same set always packs to the same bytes."""
-    return sorted(items, key=lambda v: (type(v).__name__, repr(v)))
+    return sorted(items, key=lambda v: (type(v).__name__, _order_text(v)))
+
+
+def _order_text(value) -> str:
+    try:
+        return repr(value)
+    except ValueError:  # an int past Python's digit limit for str() (4300 by default), somewhere in it
+        if type(value) is int:
+            return int_text(value)
+        if isinstance(value, (tuple, frozenset)):
+            parts = map(_order_text, value)
+            return f"{type(value).__name__}({', '.join(sorted(parts) if isinstance(value, frozenset) else parts)})"
+        raise
+
+
+def int_text(n: int) -> str:
+    """An int as text: decimal, or hex past the digits Python converts to decimal (its limit,
+    4300 digits by default, made a set or a dict key holding a bigger one a ValueError)."""
+    try:
+        return str(n)
+    except ValueError:
+        return hex(n)
 
 
 def too_deep(level: int) -> bool:
