@@ -101,11 +101,13 @@ class CheckpointReader:
 
     def select(self, keys) -> dict:
         """The top-level entries `keys` names (one key or a list), as references."""
-        if isinstance(keys, str):
-            keys = [keys]
+        if not isinstance(keys, (list, tuple, set, frozenset)):
+            keys = [keys]  # one key (a str, or an int: a state's top-level keys may be ints)
         top = self.top()
         if not isinstance(top, dict):
-            raise CasError(f"checkpoint step {self.step} holds a {type(top).__name__} at its top, not a dict; "
+            held = self.node(top)["k"] if isinstance(top, Ref) else None
+            what = "tensor" if held == "tensor" else type(self.node(top)["v"] if held else top).__name__
+            raise CasError(f"checkpoint step {self.step} holds a {what} at its top, not a dict; "
                            "load it without keys=")
         missing = [k for k in keys if k not in top]
         if missing:

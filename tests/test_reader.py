@@ -108,3 +108,16 @@ def test_a_path_that_names_two_tensors_is_refused_and_diff_pairs_them_in_order(t
         assert [reader.read_tensor(leaf).tolist() for leaf in reader.leaves()] == [[1.0, 1.0], [0.0, 0.0]]
         changes = [(c.path, c.status, c.max_abs_diff) for c in store.diff(1, 2).tensors]
         assert changes == [(path, "unchanged", None), (path, "changed", 5.0)]
+
+
+def test_keys_may_be_one_int_and_a_state_that_is_no_dict_is_named_as_it_is(tmp_path):
+    """load(step, keys=1) was "'int' object is not iterable" (top-level keys may be ints), and
+    keys= on a state that is a bare tensor said it held a "Ref" (stop 38)."""
+    with cas.open(tmp_path / "s") as store:
+        store.save({1: torch.ones(1), "a": 2}, step=1)
+        store.save(torch.ones(2), step=2)
+        store.save([1, torch.ones(2)], step=3)
+        assert list(store.load(1, keys=1)) == [1] and store.load(1, keys="a") == {"a": 2}
+        for step, what in ((2, "tensor"), (3, "list")):
+            with pytest.raises(cas.CasError, match=f"checkpoint step {step} holds a {what} at its top, not a dict"):
+                store.load(step, keys=["a"])
