@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cas import faults
-from cas.errors import CasError
+from cas.errors import CasError, CheckpointExistsError
 from cas.objectstore import WriteSession
 
 from . import pipeline, provenance, signing
@@ -45,10 +45,12 @@ class SaveRecord:
 
 
 def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRecord, tree: Ref, nodes: dict[bytes, bytes],
-                pool: ThreadPoolExecutor, fault: str, *, replacing: bool = False) -> Checkpoint:
+                pool: ThreadPoolExecutor, fault: str, *, replacing: bool | str = False) -> Checkpoint:
     """Write the manifest `nodes` and the commit node of `tree`, then commit the session with
     the checkpoint's record (one record log entry; with `replacing`, it also removes the
-    checkpoint at that step, unless pinned). `fault` names the fault point once nodes are written."""
+    checkpoint at that step, unless pinned; when `replacing` is a checkpoint id, only that one:
+    another at the step is CheckpointExistsError). `fault` names the fault point once nodes are
+    written."""
     commit = record.node(tree)
     commit_key = session.store.namer.key(commit)
     nodes[commit_key] = commit
@@ -66,6 +68,10 @@ def commit_save(store: "CheckpointStore", session: WriteSession, record: SaveRec
             old = store.registry.get(txn, record.step) if replacing else None
             if old is None:
                 return [change]
+            if isinstance(replacing, str) and old.id != replacing:
+                raise CheckpointExistsError(f"checkpoint {record.step} was saved again by another writer (it is "
+                                            f"{old.id[:12]}, this save was to replace {replacing[:12]}); nothing "
+                                            "of this save was committed")
             if old.pinned:
                 raise CasError(f"checkpoint {record.step} is pinned (a legal hold); it cannot be replaced")
             return [remove_change(old), change]

@@ -25,13 +25,19 @@ same code reads the checkpoint the marker names, as a torch.save stream made fro
 Paths and steps. The store names a checkpoint by a step, Lightning by a path.
 - save_checkpoint stores the dict under its "global_step" and lists the path in the checkpoint's
   meta ("lightning_paths"). A second save of the same run (one Trainer.fit, until teardown) at
-  the same global step (ModelCheckpoint's last.ckpt right after "epoch=0-step=50.ckpt")
-  replaces that checkpoint in its own commit (dedup makes it nearly free) and keeps the earlier
-  paths naming it. A save over a path that alone names the checkpoint at its step replaces it,
-  as a file is overwritten. Any other checkpoint at the step (one that other paths name, as a
-  second run into the same dirpath and store finds the first run's) stays: the save goes to the
-  next free step above the store's latest, with a warning, and meta "lightning_global_step"
-  keeps Lightning's step.
+  the same global step that holds the same training state (ModelCheckpoint's last.ckpt right
+  after "epoch=0-step=50.ckpt": the same entries and loop progress) replaces that checkpoint in
+  its own commit (dedup makes it nearly free) and keeps the earlier paths naming it. A save
+  over a path that alone names the checkpoint at its step replaces it, as a file is
+  overwritten. Any other checkpoint at the step stays: one that other paths name (a second run
+  into the same dirpath and store finds the first run's, with a warning), or this run's save of
+  other content (a weights-only save beside a full one; a save at a batch's end beside one
+  after validation). The save goes to the next free step above the store's latest, and meta
+  "lightning_global_step" keeps Lightning's step. A save replaces exactly the checkpoint it was
+  placed over: two runs sharing a store that reach a step together are placed again, not
+  replaced by each other.
+- Hyperparameters a store cannot hold (a Path, a device, an Enum, a class, a module: Lightning's
+  own file pickles them) are stored as their text, with a warning naming each.
 - A path names the checkpoint its marker names. A checkpoint stays while some path still names
   it: remove_checkpoint(path) deletes the marker (or Lightning's link) and then the checkpoint
   if no other marker names it; a pinned checkpoint (a legal hold) always stays. The store's
@@ -63,22 +69,24 @@ import fsspec
 import fsspec.core
 import fsspec.utils
 import msgpack
+import numpy as np
 import torch
 from fsspec.spec import AbstractFileSystem
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from cas import fsutil
-from cas.errors import CasError, CheckpointNotFoundError, StoreKeyError
+from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, StoreKeyError
 
 from .opening import given_or_opened, open_named
 from .registry import Checkpoint
 from .store import CheckpointStore
-from .values import MAPPINGS
+from .values import MAPPINGS, remade
 
 PATHS_META = "lightning_paths"
 GLOBAL_STEP_META = "lightning_global_step"
 PROTOCOL = "cas"
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
+PLACE_ATTEMPTS = 5  # saves placed again after another run sharing the store committed at their step
 
 # The marker's only member. torch.load's error on a marker ends with this name (a zip member not
 # in a folder), so it says what the file is and how to load it; a name cannot hold a "/".
@@ -360,26 +368,34 @@ class CasCheckpointIO(CheckpointIO):
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
         path = _where(path)
-        with self._lock:
-            self._new_run_if_its_saver_is_gone()
-            if self._removed_early(path):
-                return
-            cks = self.store.checkpoints()
-            previous = self._named(path, cks)
-            step, kept = self._place(global_step, path, cks)
-            replaced = next((ck for ck in cks if ck.step == step), None)
-            paths = kept + [path]
-            self._saving.update(paths)
-        try:
-            ck = self.store.save(_plain(checkpoint), step=step, replace=True,
-                                 meta={PATHS_META: paths, GLOBAL_STEP_META: global_step})
-        except BaseException:
+        state = _storable(checkpoint)
+        for attempt in range(PLACE_ATTEMPTS):
             with self._lock:
-                self._saving.difference_update(paths)
-                if [p for p in paths if self._removed_early(p)]:  # removed meanwhile: what they named
-                    for named in {ck.step: ck for ck in (replaced, previous) if ck is not None}.values():
-                        self._delete_if_unnamed(named)
-            raise
+                self._new_run_if_its_saver_is_gone()
+                if self._removed_early(path):
+                    return
+                cks = self.store.checkpoints()
+                previous = self._named(path, cks)
+                step, kept = self._place(global_step, path, cks, checkpoint)
+                replaced = next((ck for ck in cks if ck.step == step), None)
+                paths = kept + [path]
+                self._saving.update(paths)
+            try:  # replacing exactly what was placed over: another run sharing the store may commit there first
+                ck = self.store.save(state, step=step, replace=replaced or False,
+                                     meta={PATHS_META: paths, GLOBAL_STEP_META: global_step})
+                break
+            except CheckpointExistsError:
+                with self._lock:
+                    self._saving.difference_update(paths)
+                if attempt == PLACE_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                with self._lock:
+                    self._saving.difference_update(paths)
+                    if [p for p in paths if self._removed_early(p)]:  # removed meanwhile: what they named
+                        for named in {ck.step: ck for ck in (replaced, previous) if ck is not None}.values():
+                            self._delete_if_unnamed(named)
+                raise
         with self._lock:
             self._saving.difference_update(paths)
             self._run[global_step] = step
@@ -463,7 +479,7 @@ class CasCheckpointIO(CheckpointIO):
         local = _where(path)
         marker = read_marker(local)
         if marker is not None:
-            if marker.store == self.store.path and local == marker.path:
+            if self._is_ours(marker) and local == marker.path:
                 return marker.step
             ck = _holding(self.store, marker)  # a run folder moved or renamed with its store
             if ck is None:
@@ -494,7 +510,7 @@ class CasCheckpointIO(CheckpointIO):
     def _named(self, path: str, cks: list[Checkpoint]) -> Checkpoint | None:
         """The checkpoint of this store the marker at `path` names, if any."""
         marker = _marker_or_none(path)
-        if marker is None or marker.store != self.store.path:
+        if marker is None or not self._is_ours(marker):
             return None
         return next((ck for ck in cks if ck.step == marker.step and _names(marker, ck)), None)
 
@@ -502,14 +518,19 @@ class CasCheckpointIO(CheckpointIO):
         """The paths that still name `ck`: listed by it, their markers naming it."""
         return [p for p in _paths(ck) if self._named(p, [ck]) is not None]
 
-    def _place(self, global_step: int, path: str, cks: list[Checkpoint]) -> tuple[int, list[str]]:
+    def _place(self, global_step: int, path: str, cks: list[Checkpoint], checkpoint: dict) -> tuple[int, list[str]]:
         """(the store step this save goes to, the paths that keep naming it). This run's earlier
-        save at the same global step is replaced in the commit (a save that fails leaves it); so
-        is a checkpoint only `path` itself names (an overwritten file). Any other checkpoint at
-        the step stays, and this save takes the next free step."""
+        save at the same global step is replaced in the commit (a save that fails leaves it)
+        when it holds the same training state (a top-k path and last.ckpt); so is a checkpoint
+        only `path` itself names (an overwritten file). Any other checkpoint at the step stays,
+        and this save takes the next free step: another run's, a pinned one, or this run's
+        earlier save of other content (a weights-only save beside a full one, a save at a
+        batch's end beside one after validation: replacing them lost the full checkpoint, or
+        resumed the earlier path from the later point, audit of stop 38)."""
         by_step = {ck.step: ck for ck in cks}
         ours = by_step.get(self._run.get(global_step, -1))
-        if ours is not None and ours.meta.get(GLOBAL_STEP_META) == global_step and not ours.pinned:
+        if ours is not None and ours.meta.get(GLOBAL_STEP_META) == global_step and not ours.pinned \
+                and self._same_training_state(ours, checkpoint):
             return ours.step, [p for p in self._live_paths(ours) if p != path]
         there = by_step.get(global_step)
         if there is None:
@@ -517,10 +538,31 @@ class CasCheckpointIO(CheckpointIO):
         if not there.pinned and self._live_paths(there) == [path]:
             return global_step, []
         step = max(by_step) + 1
-        names = ", ".join(self._live_paths(there)) or "no path"
-        warnings.warn(f"step {global_step} of the store at {self.store.path} holds another checkpoint (named by "
-                      f"{names}); this save of {path} is kept beside it as step {step}", stacklevel=3)
+        if there.step not in self._run.values():  # (this run's own: no news to the user)
+            names = ", ".join(self._live_paths(there)) or "no path"
+            warnings.warn(f"step {global_step} of the store at {self.store.path} holds another checkpoint (named by "
+                          f"{names}); this save of {path} is kept beside it as step {step}", stacklevel=3)
         return step, []
+
+    def _same_training_state(self, ck: Checkpoint, checkpoint: dict) -> bool:
+        """Whether `checkpoint` holds what `ck` holds but for callbacks' own bookkeeping (the
+        ModelCheckpoint state a later save of the same moment updated): the same top-level
+        entries (a weights-only save has no optimizer states) and the same loop progress."""
+        reader = self.store.reader(ck.step)
+        if set(reader.entries()) != set(checkpoint):
+            return False
+        if "loops" not in checkpoint:
+            return True
+        return _equal(reader.materialize(["loops"])["loops"], _storable(checkpoint["loops"]))
+
+    def _is_ours(self, marker: Marker) -> bool:
+        """Whether `marker` names this plugin's store, however its path was spelled (a symlinked
+        folder, or its real path: spelled otherwise, the removal of a path Lightning no longer
+        keeps deleted its marker but left the checkpoint for good)."""
+        if marker.store == self.store.path:
+            return True
+        return self.store.location.local and fsspec.utils.get_protocol(marker.store) == "file" \
+            and os.path.realpath(marker.store) == os.path.realpath(self.store.path)
 
     def _delete_if_unnamed(self, ck: Checkpoint) -> None:
         """Forget `ck` once no marker names it; a pinned checkpoint (a legal hold) always stays."""
@@ -530,6 +572,14 @@ class CasCheckpointIO(CheckpointIO):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _equal(a, b) -> bool:
+    """Whether two plain values (a loop's progress) are equal; any doubt (tensors) is no."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _marker_or_none(path: str) -> Marker | None:
@@ -563,6 +613,46 @@ def _plain(value):
     if type(value) in (list, tuple):
         return type(value)(_plain(v) for v in value)
     return value
+
+
+_HPARAMS = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+def _storable(checkpoint: dict) -> dict:
+    """The checkpoint as the store holds it (_plain), with each hyperparameter the store cannot
+    hold (a Path, an Enum, a device, a class, a module) as its text, with a warning naming it:
+    Lightning's own file pickles them, a store never unpickles, and refusing them killed fit at
+    its first checkpoint (a module became its state dict; audit of stop 38)."""
+    out = _plain(checkpoint)
+    for key in _HPARAMS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _hparam(v, f"{key}.{k}") for k, v in out[key].items()}
+    return out
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)  # exact types: an IntEnum or a str Enum is no int or str here
+
+
+def _kept(value) -> bool:
+    """Whether a hyperparameter is a value the store holds as it is."""
+    if type(value) in _SCALARS or isinstance(value, (torch.Tensor, np.ndarray, np.generic, torch.dtype)):
+        return True
+    return isinstance(value, (set, frozenset)) and all(type(v) in _SCALARS for v in value)
+
+
+def _hparam(value, where: str):
+    if type(value) in MAPPINGS:
+        return remade(value, ((k, _hparam(v, f"{where}.{k}")) for k, v in value.items()))
+    if type(value) in (list, tuple):
+        return type(value)(_hparam(v, f"{where}.{i}") for i, v in enumerate(value))
+    if _kept(value):
+        return value
+    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value) if isinstance(value, torch.device) \
+        else f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else repr(value)
+    warnings.warn(f"cas: the hyperparameter {where!r} (a {type(value).__qualname__}) is stored as the str {text!r}: a "
+                  "cas checkpoint holds no such object (Lightning's own file pickles it); load_from_checkpoint gets "
+                  "that str unless you pass the value again", stacklevel=4)
+    return text
 
 
 # --- Lightning's own loader reads markers too -----------------------------------------------

@@ -50,7 +50,9 @@ class _SaveJob:
     skeleton: object
     leaves: list
     created: float
-    replacing: bool = False  # the commit swaps out a checkpoint at the same step (save(replace=True))
+    # the commit swaps out a checkpoint at the same step (save(replace=True)), or exactly the one
+    # whose id this is (save(replace=checkpoint)), refusing another that took the step meanwhile
+    replacing: bool | str = False
     reused: set = dataclasses.field(default_factory=set)  # chunk keys the save found stored already
 
 
@@ -211,7 +213,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
 
     # --- save ---------------------------------------------------------------------------
     def save(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
-             meta: dict | None = None, replace: bool = False) -> Checkpoint:
+             meta: dict | None = None, replace: bool | Checkpoint = False) -> Checkpoint:
         """Save `state` as checkpoint `step`. Nothing is visible until the commit, which happens
         only after every object it references is durable. Values with state_dict() and
         load_state_dict() (modules, optimizers, ...) are saved as their state dicts.
@@ -220,10 +222,13 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         swapping it out in the commit's own transaction: until that commit the old checkpoint
         stays, so a save that fails loses nothing (for integrations whose own naming reuses
         steps, such as Lightning's last.ckpt). It waits for the save_async calls before it: the
-        later call commits later, so it is the newest and retention never removes it for them."""
+        later call commits later, so it is the newest and retention never removes it for them.
+        replace=a Checkpoint replaces exactly that one: if another writer's checkpoint took the
+        step meanwhile, the commit is refused with CheckpointExistsError (nothing of it visible)."""
         self._raise_unobserved()
         self._background.make_room(1)  # none in flight: commit order is call order
-        return self._write(self._prepare(state, step, milestone, metrics, meta, replacing=bool(replace)))
+        replacing = replace.id if isinstance(replace, Checkpoint) else bool(replace)
+        return self._write(self._prepare(state, step, milestone, metrics, meta, replacing=replacing))
 
     def save_async(self, state, *, step: int, milestone: bool = False, metrics: dict | None = None,
                    meta: dict | None = None) -> SaveFuture:
@@ -257,7 +262,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self._check_open()
         self._background.raise_unobserved()
 
-    def _prepare(self, state, step, milestone, metrics, meta, replacing: bool = False) -> "_SaveJob":
+    def _prepare(self, state, step, milestone, metrics, meta, replacing: bool | str = False) -> "_SaveJob":
         """Everything a save checks and captures synchronously, before any object is written."""
         self._check_open()
         if self.readonly:

@@ -19,7 +19,9 @@ from .values import MAPPINGS, MAX_DEPTH, remade
 
 
 def is_stateful(value) -> bool:
-    return (not isinstance(value, (torch.Tensor, np.ndarray, dict, list, tuple))
+    """Whether `value` is an object whose state_dict() is saved in its place (a class is not:
+    its state_dict is unbound)."""
+    return (not isinstance(value, (torch.Tensor, np.ndarray, dict, list, tuple, type))
             and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
 
 

@@ -236,3 +236,19 @@ def test_processes_opening_a_new_path_at_once_create_one_store_and_all_open_it(t
         outs = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in outs if err]
         assert sorted(out.strip() for out, _ in outs) == ["False"] * 5 + ["True"]
+
+
+def test_a_save_replacing_one_checkpoint_refuses_another_that_took_its_step(tmp_path):
+    """save(replace=ck) replaces exactly `ck`: a checkpoint another writer put at the step since
+    is refused with CheckpointExistsError, nothing committed (the Lightning plugin's two runs
+    sharing a store: the later commit replaced the other run's checkpoint, stop 38)."""
+    with cas.open(tmp_path / "s") as store:
+        first = store.save({"w": torch.zeros(4)}, step=1)
+        other = store.save({"w": torch.ones(4)}, step=1, replace=True)  # another writer's, meanwhile
+        with pytest.raises(cas.CheckpointExistsError, match="saved again by another writer"):
+            store.save({"w": torch.full((4,), 2.0)}, step=1, replace=first)
+        assert store.get(1).id == other.id and torch.equal(store.load(1)["w"], torch.ones(4))
+        assert store.save({"w": torch.full((4,), 3.0)}, step=1, replace=other).id != other.id
+        store.delete(1)
+        store.save({"w": torch.full((4,), 4.0)}, step=1, replace=other)  # gone meanwhile: saved anew
+        assert torch.equal(store.load(1)["w"], torch.full((4,), 4.0)) and store.verify().ok

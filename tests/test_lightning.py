@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.parsing import AttributeDict  # noqa: E402
 
 import cas  # noqa: E402
 from cas.errors import CasError, CheckpointNotFoundError  # noqa: E402
-from cas.store.lightning import MARKER_MEMBER, CasCheckpointIO, cas_url  # noqa: E402
+from cas.store.lightning import CasCheckpointIO, cas_url  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -462,4 +462,112 @@ def test_async_save_last_with_save_top_k_keeps_last_while_its_kept_path_is_remov
     assert [ck.step for ck in io.store.checkpoints()] == [4]
     for name in os.listdir(d):
         assert io.load_checkpoint(d / name)["global_step"] == 4
+    io.close()
+
+
+def test_saves_of_one_step_with_other_contents_each_keep_their_own(tmp_path):
+    """Two ModelCheckpoints at the same global step, a full one and then a weights-only one: the
+    plugin took the second for the same checkpoint and replaced the full one with it, so
+    fit(ckpt_path=the full path) failed ("checkpoint contains only the model"; audit of stop 38).
+    A save of other content (other top-level entries, or other loop progress) now goes beside."""
+    io = CasCheckpointIO(tmp_path / "store")
+    dirpath = tmp_path / "ckpt"
+    callbacks = [ModelCheckpoint(dirpath=dirpath, filename="full-{step}", save_top_k=-1),
+                 ModelCheckpoint(dirpath=dirpath, filename="w-{step}", save_top_k=-1, save_weights_only=True,
+                                 monitor="step", mode="max")]
+    torch.manual_seed(0)
+    L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+              plugins=[io], callbacks=callbacks).fit(Tiny(), loader())
+    full, light = io.load_checkpoint(dirpath / "full-step=4.ckpt"), io.load_checkpoint(dirpath / "w-step=4.ckpt")
+    assert "optimizer_states" in full and "optimizer_states" not in light
+    assert_same(full["state_dict"], light["state_dict"])
+    ckpt_path = str(dirpath / "full-step=4.ckpt")
+    resumed = fitted(1, 2, CasCheckpointIO(io.store), ckpt_path=ckpt_path, dirpath=tmp_path / "again")
+    assert_same(weights(resumed), weights(fitted(0, 2)))
+    io.close()
+
+
+def test_two_runs_sharing_a_store_that_reach_one_step_together_both_keep_it(tmp_path):
+    """Run A placed its save at step 4 (free), run B committed its own step 4, then A's commit
+    replaced it: B's marker named a checkpoint the store no longer held (audit of stop 38). A
+    save now replaces exactly what it was placed over, and is placed again when another run
+    took the step. A's save is held at `save.planned` while B runs, in two processes."""
+    import time
+
+    child = (
+        "import sys, torch, lightning as L\n"
+        "from lightning.pytorch.callbacks import ModelCheckpoint\n"
+        "from cas.store.lightning import CasCheckpointIO\n"
+        "from test_lightning import Tiny, loader\n"
+        "torch.manual_seed(int(sys.argv[3]))\n"
+        "L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,\n"
+        "          accelerator='cpu', plugins=[CasCheckpointIO(sys.argv[1])],\n"
+        "          callbacks=[ModelCheckpoint(dirpath=sys.argv[2])]).fit(Tiny(), loader())\n")
+    store, gate = tmp_path / "store", tmp_path / "gate"
+    here = os.path.dirname(__file__)
+
+    def run(name: str, seed: int, faults: str = ""):
+        env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", ""), "CAS_FAULTS": faults}
+        return subprocess.Popen([sys.executable, "-c", child, str(store), str(tmp_path / name), str(seed)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    a = run("a", 0, f"save.planned=pause:{gate}@1")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(f"{gate}.reached") and a.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(f"{gate}.reached"), a.stderr.read()[-2000:] if a.poll() is not None else "no pause"
+    b = run("b", 1)
+    assert b.wait(120) == 0, b.stderr.read()[-3000:]
+    gate.touch()
+    assert a.wait(120) == 0, a.stderr.read()[-3000:]
+    with cas.open(store) as opened:
+        io = CasCheckpointIO(opened)
+        assert sorted(ck.step for ck in opened.checkpoints()) == [4, 5]
+        loaded = [io.load_checkpoint(tmp_path / run_name / "epoch=0-step=4.ckpt") for run_name in ("a", "b")]
+        assert loaded[0]["global_step"] == loaded[1]["global_step"] == 4
+        assert not torch.equal(loaded[0]["state_dict"]["net.0.weight"], loaded[1]["state_dict"]["net.0.weight"])
+
+
+def test_a_store_reached_by_another_spelling_of_its_path_is_its_own(tmp_path):
+    """Run 1 opened the store through a symlinked folder, the resume by its real path: the
+    plugin compared the markers' store paths as strings, took run 1's checkpoints for another
+    store's, and deleted only their markers when Lightning removed them: checkpoints no path
+    named stayed for good (audit of stop 38)."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+
+    def fit(root, epochs: int, ckpt_path=None) -> list[int]:
+        io = CasCheckpointIO(root / "store")
+        fitted(0, epochs, io, ckpt_path=ckpt_path, dirpath=root / "ckpt", monitor="step", mode="max", save_top_k=1,
+               save_last=True)
+        steps = [ck.step for ck in io.store.checkpoints()]
+        io.close()
+        return steps
+
+    assert fit(link, 1) == [4]
+    assert fit(real, 2, ckpt_path="last") == [8]
+    assert sorted(os.listdir(real / "ckpt")) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+class Configured(Tiny):
+    def __init__(self, lr: float = 0.05, data_dir=None, device=None, activation=None, loss_fn=None) -> None:
+        super().__init__(lr)
+        self.save_hyperparameters()
+
+
+def test_hyperparameters_a_store_cannot_hold_are_kept_as_text_and_fit_goes_on(tmp_path):
+    """save_hyperparameters() holding a Path, a device, a class or a module made the first save
+    a TypeError that ended fit (a class's unbound state_dict was even called; a module became
+    its state dict; audit of stop 38). They are stored as text, each with a warning."""
+    import pathlib
+
+    io = CasCheckpointIO(tmp_path / "store")
+    model = Configured(data_dir=pathlib.Path("/data/set"), device=torch.device("cpu"), activation=torch.nn.ReLU,
+                       loss_fn=torch.nn.CrossEntropyLoss())
+    with pytest.warns(UserWarning, match="hyperparameter 'hyper_parameters.activation' .* 'torch.nn.modules"):
+        trainer(1, io, dirpath=tmp_path / "ckpt").fit(model, loader())
+    hparams = io.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")["hyper_parameters"]
+    assert (hparams["data_dir"], hparams["device"], hparams["lr"]) == ("/data/set", "cpu", 0.05)
+    assert hparams["activation"] == "torch.nn.modules.activation.ReLU" and hparams["loss_fn"] == "CrossEntropyLoss()"
     io.close()
