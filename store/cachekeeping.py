@@ -119,7 +119,10 @@ class CacheKeeping:
         checkpoints said "object file is missing"). The cache is then moved aside and rebuilt
         from the store, once per open; a read-only open builds a private one instead."""
         with self._heal_lock:
-            if self._cache_rebuilt or self.objects.record(key) != rec or not cache.intact_copy(self, key):
+            if self._cache_rebuilt or key in self._lost or self.objects.record(key) != rec:
+                return
+            if not cache.intact_copy(self, key):
+                self._lost.add(key)  # lost from the store itself: no scan of every pack again for it
                 return
             reason = f"its index had no record of object {key.hex()}, which the store holds"
             if self.readonly:

@@ -97,6 +97,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         self._old_indexes: list = []  # environments whose files were deleted or replaced under this store
         self._cache_rebuilt = False  # a cache rebuilt for an object it misplaced or lost (once per open)
         self._heal_lock = threading.Lock()  # read threads that find it so at once: one rebuilds
+        self._lost: set[bytes] = set()  # objects a load found in no pack and no file (scanned for once)
         self._open_cache()
         pack_max, pack_target = where.packing(opts.pack_max)
         self.objects = ObjectStore(self.index, FileObjects(self.backend), PackFiles(self.backend),
