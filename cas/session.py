@@ -83,6 +83,9 @@ class WriteSession(Moves):
         self._wholes: set[bytes] = set()  # deltas made whole again (write_whole_again)
         self._unlinked: set[bytes] = set()  # `linear` deltas coded again as `sub` (write_unlinked)
         self._rebased: dict[bytes, bytes] = {}  # delta -> the base it was coded away from (write_rebased)
+        # adopted `linear` deltas -> the base's base they were coded with (decoding takes it from
+        # the base's record, which another writer's promotion or recode may change before the commit)
+        self._adopted_below: dict[bytes, bytes] = {}
         self._staged: list[Staged] = []  # object files written, named (fsync, no-replace) at commit
         self._put: dict[bytes, int] = {}  # depth of each object put_encoded (a pack flush moves records)
         # Packs written as objects arrive (local stores): the open one, every one not yet
@@ -402,15 +405,27 @@ class WriteSession(Moves):
             header = self.store.files.head(key, 64)
         with self.index.read() as txn:
             rec = self._file_record(txn, key, header, size, "an object a distributed writer reported")
+            below = self._below_now(txn, rec) if parse_header(header, key=key).needs_below else None
+        if below is None and parse_header(header, key=key).needs_below:
+            raise _linear_base_changed(key, rec.base)
         with self._lock:
             if key in self._written:
                 if replacement is not None:
                     self.store.files.discard([replacement])
                 return size
             self._written[key] = rec
+            if below is not None:
+                self._adopted_below[key] = below
             if replacement is not None:
                 self._staged.append(replacement)
         return size
+
+    def _below_now(self, txn, rec: ObjectRecord, chosen: dict | None = None) -> bytes | None:
+        """The base's base an adopted `linear` delta decodes with, as the index (and this commit,
+        `chosen`) has it; None for a base that is whole by now (another writer's save of its
+        content promoted it), which leaves the delta undecodable."""
+        base = (chosen or {}).get(rec.base) or self._written.get(rec.base) or self.index.record(txn, rec.base)
+        return None if base is None else base.base
 
     def adopt_packed(self, pack: bytes, entries: list[PackEntry]) -> None:
         """Index at commit objects that another process wrote into `pack` (a DCP rank writing
@@ -538,6 +553,9 @@ class WriteSession(Moves):
                             settled.append((key, chosen))
             if self._wholes or self._unlinked or self._rebased:
                 settled += self._settle_promotions(txn, by_key)
+            for key, below in self._adopted_below.items():  # their bases as this commit leaves them
+                if key in by_key and self._below_now(txn, by_key[key], by_key) != below:
+                    raise _linear_base_changed(key, by_key[key].base)
             self.recoded = {key for key, _ in settled if key in self._recoded}  # for `finish` to see
             self.relinked = {key for key, _ in settled if key in self._relinked}
             result = finish(txn)  # before any file changes: it may refuse the commit
@@ -579,3 +597,9 @@ class WriteSession(Moves):
     def _check_open(self) -> None:
         if not self._open:
             raise StoreClosedError("this write session has already been committed or aborted")
+
+
+def _linear_base_changed(key: bytes, base: bytes) -> StoreWriteError:
+    return StoreWriteError(f"chunk {key.hex()} of this save is a `linear` delta of {base.hex()}, whose own delta base "
+                           "another writer changed since it was coded (a save of the same content made it whole): "
+                           "it could not be decoded, so nothing of this save was committed; save again")

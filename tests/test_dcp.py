@@ -910,3 +910,43 @@ def test_a_rollback_over_a_lost_base_file_codes_no_cycle_of_bases(tmp_path, dama
         os.unlink(file)
     cdcp.save({"w": states[1].clone()}, path, 3, no_dist=True, chunk_size=CHUNK, delta="forward")
     assert _loads_bit_for_bit(path, 3, states[1]) and _loads_bit_for_bit(path, 2, states[2])
+
+
+def test_a_linear_delta_whose_base_another_writer_made_whole_is_never_committed(tmp_path):
+    """A forward-delta rank codes a chunk as a `linear` delta of X, which is a delta of W. Before
+    the coordinator's commit another writer saved X's content again and, with the default
+    reverse deltas, made X whole: the commit indexed the linear delta anyway, and step 4 was
+    committed undecodable (verify: "extrapolates from delta base ... whose own base is not
+    available"; audit of stop 38). The commit now checks each adopted linear delta's base's
+    base, refuses the save (nothing committed), and a save again succeeds."""
+    g = torch.Generator().manual_seed(7)
+    w, velocity = torch.randn(256, 1024, generator=g), 1e-3 * torch.randn(256, 1024, generator=g)
+    states = []
+    for _ in range(4):
+        velocity = 0.95 * velocity + 5e-5 * torch.randn(256, 1024, generator=g)
+        w = w + velocity
+        states.append(w.clone())
+    path = tmp_path / "store"
+    for step in (1, 2, 3):
+        cdcp.save({"w": states[step - 1]}, path, step, no_dist=True, chunk_size=64 << 10, delta="forward")
+    torch.save(states[2], tmp_path / "w3.pt")
+    other = (f"import torch, cas\nwith cas.open({str(path)!r}) as store:\n"
+             f"    store.save({{'w': torch.load({str(tmp_path / 'w3.pt')!r})}}, step=50)\n")
+
+    class Interleaved(cdcp.CasWriter):
+        def finish(self, metadata, results):  # another writer, between the ranks' writes and the commit
+            subprocess.run([sys.executable, "-c", other], check=True, timeout=120)
+            return super().finish(metadata, results)
+
+    writer = Interleaved(path, step=4, delta="forward")
+    with pytest.raises(CheckpointException, match="`linear` delta of .* nothing of this save was committed"):
+        dcp.save({"w": states[3]}, storage_writer=writer, no_dist=True)
+    writer.abort()
+    with cas.open(path) as store:
+        assert [ck.step for ck in store.checkpoints()] == [1, 2, 3, 50] and store.verify().ok
+    cdcp.save({"w": states[3]}, path, 4, no_dist=True, delta="forward")
+    out = {"w": torch.zeros_like(states[3])}
+    cdcp.load(out, path, 4, no_dist=True)
+    assert torch.equal(out["w"], states[3])
+    with cas.open(path) as store:
+        assert store.verify().ok
