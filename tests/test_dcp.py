@@ -950,3 +950,16 @@ def test_a_linear_delta_whose_base_another_writer_made_whole_is_never_committed(
     assert torch.equal(out["w"], states[3])
     with cas.open(path) as store:
         assert store.verify().ok
+
+
+def test_a_writer_opened_with_retention_applies_it_after_each_commit(tmp_path):
+    """CasWriter(path, retention=...) closed the store it opened before its retention ran, so
+    every save only warned "the retention gc after it failed" and nothing was ever removed
+    (audit of stop 38)."""
+    path = tmp_path / "store"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the failed retention's warning
+        for step in (1, 2, 3, 4):
+            cdcp.save({"w": torch.randn(1000)}, path, step, no_dist=True, retention=cas.Retention(keep_last=1))
+    with cas.open(path) as store:
+        assert [ck.step for ck in store.checkpoints()] == [4] and store.verify().ok

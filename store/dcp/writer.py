@@ -352,9 +352,11 @@ class CasWriter(StorageWriter):
             self.checkpoint = self._commit(pending, metadata, results)
             if self.recode:  # in the store's background (a store opened here waits for it when closed)
                 pending.store.recode_before(self.checkpoint, reused=set(pending.session.reused))
+            # retention of a store opened with one, as after save(); before abort() closes a store
+            # opened here (after it, every save's retention failed on the closed store, warning)
+            pending.store.after_commit(self.checkpoint)
         finally:
             self.abort()
-        pending.store.after_commit(self.checkpoint)  # retention of a store opened with one, as after save()
         saved = SavedCheckpoint(self.step, self.checkpoint.id, self.checkpoint.logical_bytes,
                                 self.checkpoint.new_bytes)
         metadata.storage_data = saved.to_storage_data()
