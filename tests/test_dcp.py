@@ -9,7 +9,9 @@ the store it leaves. Single-process checks call DCP in-process with no_dist=True
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import io
 import json
 import os
@@ -963,3 +965,28 @@ def test_a_writer_opened_with_retention_applies_it_after_each_commit(tmp_path):
             cdcp.save({"w": torch.randn(1000)}, path, step, no_dist=True, retention=cas.Retention(keep_last=1))
     with cas.open(path) as store:
         assert [ck.step for ck in store.checkpoints()] == [4] and store.verify().ok
+
+
+Pair = collections.namedtuple("Pair", "a b")  # (module level: pickle finds them by name)
+
+
+class Color(enum.IntEnum):
+    RED = 3
+
+
+def test_values_msgpack_would_change_are_kept_by_the_pickle_fallback_with_their_types(tmp_path):
+    """CasWriter packed every value msgpack took: a namedtuple and a torch.Size came back as
+    tuples, an IntEnum as an int, a bytearray as bytes, and a numpy datetime was refused at the
+    commit with a CorruptionError. It now keeps as plain data only what Store.save would, and
+    the rest as DCP's pickled bytes, as documented (audit of stop 38)."""
+    import numpy as np
+
+    values = {"nt": Pair(1, 2), "size": torch.Size([4, 5]), "enum": Color.RED, "ba": bytearray(b"xy"),
+              "when": np.datetime64("2024-01-01"), "plain": (1, 2.5, "x")}
+    path = tmp_path / "store"
+    with pytest.warns(UserWarning, match="'nt' cannot be stored as plain data"):
+        cdcp.save({"w": torch.ones(4), **values}, path, 1, no_dist=True)
+    out = {"w": torch.zeros(4), **{k: None for k in values}}
+    cdcp.load(out, path, 1, no_dist=True, allow_pickle=True)
+    for key, value in values.items():
+        assert type(out[key]) is type(value) and out[key] == value, key

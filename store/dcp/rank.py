@@ -32,7 +32,7 @@ from ..location import Location
 from .. import pipeline
 from .. import tensors as T
 from ..bases import DELTA_MIN_BYTES, TensorBases
-from ..tree import chunk_spans, group_of
+from ..tree import chunk_spans, group_of, plan
 from ..values import pack
 from . import bases
 
@@ -234,6 +234,17 @@ def bytesio_entry(buffer: io.BytesIO) -> dict:
     return {BYTESIO: buffer.getvalue(), "pos": buffer.tell()}
 
 
+def _plain_as_it_is(obj) -> bool:
+    """Whether a value is held as plain data exactly as it is, types included, by Store.save's
+    own checks: msgpack packed a namedtuple or a torch.Size as a tuple, an IntEnum as an int, a
+    bytearray as bytes, and a numpy datetime as a scalar no load reads (audit of stop 38)."""
+    try:
+        _, leaves = plan(obj, chunk_size=1 << 20)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return not leaves
+
+
 def _value_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
     """Encode a non-tensor value as msgpack (an io.BytesIO as its bytes); only what msgpack
     cannot hold stays pickled."""
@@ -241,7 +252,7 @@ def _value_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
     if found and isinstance(obj, io.BytesIO):
         entry = bytesio_entry(obj)
         return WriteResult(index=item.index, size_in_bytes=len(entry[BYTESIO]), storage_data=entry)
-    if found:
+    if found and _plain_as_it_is(obj):
         try:
             packed = pack(obj)
             return WriteResult(index=item.index, size_in_bytes=len(packed), storage_data={"msgpack": packed})
