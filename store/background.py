@@ -25,12 +25,21 @@ class SaveFuture(concurrent.futures.Future):
         self._observed = False
 
     def result(self, timeout=None):
-        self._observed = True
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        finally:  # seen only once it was done: a result(timeout=...) that timed out saw nothing
+            self._observed = self._observed or self.done()
 
     def exception(self, timeout=None):
-        self._observed = True
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        finally:
+            self._observed = self._observed or self.done()
+
+    def cancel(self) -> bool:
+        """A save cannot be called off: it commits, or fails, as if never asked (a cancelled
+        future said so while the save committed anyway, and broke the next save)."""
+        return False
 
     def unobserved_exception(self) -> BaseException | None:
         if self._observed or not self.done():

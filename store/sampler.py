@@ -56,12 +56,22 @@ class ResumableRandomSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.position = 0
         self._prefetcher: tuple[int, int] | None = None  # (workers, prefetch factor) of a loader running ahead
+        self._finished = False  # an iteration of this object handed out the current epoch's last index
 
     def __len__(self) -> int:
         return self.length
 
     def __iter__(self) -> Iterator[int]:
-        """The rest of the current epoch; `position` counts what was handed out."""
+        """The rest of the current epoch; `position` counts what was handed out. An epoch
+        handed out whole stays the current one (position = length) until an iteration after
+        the one that finished it starts the next: a DataLoader exhausts the sampler before it
+        yields a partial last batch, so advancing as the indices ran out made a save right
+        after that batch say the next epoch, and after a full last batch this one (audit of
+        stop 38). A state loaded at an epoch's end iterates its (empty) rest first, as before."""
+        if self.position >= self.length and self._finished:
+            self.epoch += 1
+            self.position = 0
+        self._finished = False
         loader = prefetching_loader(inspect.currentframe())
         self._prefetcher = (loader.num_workers, loader.prefetch_factor or 2) if loader is not None else None
         order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
@@ -69,8 +79,7 @@ class ResumableRandomSampler(torch.utils.data.Sampler):
             i = int(order[self.position])
             self.position += 1
             yield i
-        self.epoch += 1
-        self.position = 0
+        self._finished = True
 
     def state_dict(self) -> dict:
         """The position; refused (UnresumableStateError) while a DataLoader with workers has drawn
@@ -92,3 +101,4 @@ class ResumableRandomSampler(torch.utils.data.Sampler):
             raise CasError(f"sampler state is for a dataset of {state.get('length')} items, this one has {self.length}")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._prefetcher = None  # a new position, which no loader has drawn ahead of yet
+        self._finished = False  # (its epoch's rest, even if empty, is iterated first)

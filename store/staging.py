@@ -26,11 +26,17 @@ class StagingArena:
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None  # release the old one before allocating the larger one
             pin = torch.cuda.is_available()
-            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cpu", pin_memory=pin)
         return self._buffer
 
     def stage(self, leaves: list[TensorLeaf]) -> None:
-        """Copy every leaf's bytes into the arena and point the leaf at its copy."""
+        """Copy every leaf's bytes into the arena and point the leaf at its copy. Outside
+        inference mode: an arena made inside it (a save after a validation pass) is an
+        inference tensor, and the next save's copy into it outside was a RuntimeError."""
+        with torch.inference_mode(False):
+            self._stage(leaves)
+
+    def _stage(self, leaves: list[TensorLeaf]) -> None:
         offsets, total = [], 0
         for leaf in leaves:
             offsets.append(total)
@@ -41,16 +47,16 @@ class StagingArena:
                 leaf.staged = np.empty(0, dtype=np.uint8)
             return
         arena = self._reserve(total)
-        cuda = False
+        devices = set()  # the GPUs copies were issued from, each synchronized below
         for leaf, offset in zip(leaves, offsets):
             dst = arena[offset:offset + leaf.nbytes]
             src = leaf.source
             if leaf.lib == "torch" and src.device.type == "cuda" and src.is_contiguous() \
                     and not src.is_conj() and not src.is_neg():
-                cuda = True
+                devices.add(src.device)
                 dst.copy_(flat_bytes(src), non_blocking=True)
             elif leaf.nbytes:
                 dst.copy_(torch.from_numpy(leaf.bytes_view()))  # a view of CPU tensors, else one copy
             leaf.staged = dst.numpy() if leaf.nbytes else np.empty(0, dtype=np.uint8)
-        if cuda:
-            torch.cuda.synchronize()
+        for device in devices:  # (a bare synchronize() waits for the current device only)
+            torch.cuda.synchronize(device)

@@ -132,7 +132,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor sharing its memory."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     if flat.stride(0) != 1:  # one element with an odd stride still counts as contiguous
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
@@ -144,7 +144,7 @@ def numpy_bytes(a: np.ndarray) -> np.ndarray:
 
 def empty_torch(dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     """A fresh CPU tensor and a writable uint8 view of its bytes."""
-    t = torch.empty(shape, dtype=torch_dtype(dtype_name))
+    t = torch.empty(shape, dtype=torch_dtype(dtype_name), device="cpu")  # (whatever torch.set_default_device says)
     return t, numpy_view(flat_bytes(t))
 
 

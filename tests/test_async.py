@@ -376,3 +376,45 @@ def test_a_script_that_ends_after_save_async_without_close_still_commits_the_sav
     with cas.open(path) as store:
         assert [ck.step for ck in store.checkpoints()] == [1]
         assert torch.equal(store.load(1)["w"], torch.arange(3_000_000, dtype=torch.float32))
+
+
+def test_a_failure_after_a_timed_out_poll_of_its_future_is_still_raised(tmp_path, injected):
+    """result(timeout=...) before the save was done marked the future seen, so its later failure
+    was raised by nobody: not wait(), not the next save, not close() (audit of stop 38)."""
+    gate = tmp_path / "gate"
+    injected(f"save.background_started=pause:{gate}@1,save.hashed=enospc@1")
+    store = cas.open(tmp_path / "s")
+    future = store.save_async({"w": torch.randn(1000)}, step=1)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.result(timeout=0.05)
+    gate.touch()
+    with pytest.raises(cas.StoreWriteError, match="No space left on device"):
+        store.wait()
+    store.close()
+
+
+def test_a_save_cannot_be_cancelled_and_saves_go_on(store):
+    """cancel() said True while the save went on and committed, and the next save_async raised
+    CancelledError (asyncio.wrap_future cancels futures so; audit of stop 38)."""
+    future = store.save_async({"w": torch.ones(10)}, step=1)
+    assert future.cancel() is False and not future.cancelled()
+    store.save_async({"w": torch.zeros(10)}, step=2).result()
+    assert future.result().step == 1 and [ck.step for ck in store.checkpoints()] == [1, 2]
+
+
+def test_saves_inside_inference_mode_and_under_another_default_device(store):
+    """A save_async inside torch.inference_mode() (after a validation pass) made the reused
+    staging buffer an inference tensor: the next save outside it raised RuntimeError. Under
+    torch.set_default_device the buffer and loaded tensors followed that device (audit of stop
+    38; "meta" stands in for a GPU here)."""
+    with torch.inference_mode():
+        store.save_async({"w": torch.ones(1000)}, step=1).result()
+    store.save_async({"w": torch.zeros(2000)}, step=2).result()
+    torch.set_default_device("meta")
+    try:
+        store.save_async({"w": torch.full((3000,), 2.0, device="cpu")}, step=3).result()
+        loaded = store.load(3)["w"]
+    finally:
+        torch.set_default_device(None)
+    assert loaded.device.type == "cpu" and torch.equal(loaded, torch.full((3000,), 2.0))
+    assert torch.equal(store.load(2)["w"], torch.zeros(2000))

@@ -159,7 +159,7 @@ def _weights_only(data: bytes, folder: str, what: str) -> Any:
 def _whole_tensor(folder: str, files: dict, fqn: str, md: TensorStorageMetadata, storage_data: dict) -> torch.Tensor:
     """One tensor put together from its stored shards, each checked against its chunk."""
     size = [int(d) for d in md.size]
-    out = torch.zeros(size, dtype=md.properties.dtype)
+    out = torch.zeros(size, dtype=md.properties.dtype, device="cpu")
     covered = 0
     for chunk in md.chunks:
         offsets, sizes = [int(d) for d in chunk.offsets], [int(d) for d in chunk.sizes]

@@ -49,7 +49,7 @@ class SavedCheckpoint:
 @functools.lru_cache(maxsize=None)
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of a torch dtype (cached: asked once per shard)."""
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=dtype, device="cpu").element_size()
 
 
 @dataclass

@@ -173,7 +173,7 @@ def state_dict(store: CheckpointStore, step: int | None = None) -> dict:
     mappings = planner_mappings(loaded.metadata) or {}
     target: dict = {}
     for fqn, md in loaded.metadata.state_dict_metadata.items():
-        value = torch.empty(list(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) \
+        value = torch.empty(list(md.size), dtype=md.properties.dtype, device="cpu") if isinstance(md, TensorStorageMetadata) \
             else None  # a placeholder the loaded value replaces
         set_path(target, tuple(mappings.get(fqn, (fqn,))), value)
     with warnings.catch_warnings():
@@ -271,7 +271,7 @@ def _apply(region: _Region, planner: LoadPlanner) -> None:
     raw = region.buffer[region.start:region.start + nbytes]
     if region.start % esize:
         raw = raw.copy()
-    block = torch.from_numpy(raw).view(dtype).reshape(rows_shape) if nbytes else torch.empty(rows_shape, dtype=dtype)
+    block = torch.from_numpy(raw).view(dtype).reshape(rows_shape) if nbytes else torch.empty(rows_shape, dtype=dtype, device="cpu")
     for d in range(1, len(shape)):
         block = block.narrow(d, item.storage_offsets[d], item.lengths[d])
     dest = planner.resolve_tensor(item).detach()
