@@ -20,7 +20,7 @@ from .store import Checkpoint, compare, interop
 from .store import CheckpointStore
 from .store.mirror import CLOSE_TIMEOUT, Mirror, MirrorStatus
 from .store.opening import open_or_create, open_other
-from .store.transfer import TransferReport, copy_checkpoints
+from .store.transfer import TransferReport, chosen, copy_checkpoints
 
 # how long a bucket's sweep after a save waits for saves in progress before it leaves its packs
 # doomed for the next one (a sweep waits for every writer lease: a deleted pack a save reused is lost)
@@ -58,6 +58,7 @@ class Store(CheckpointStore):
         """Copy checkpoints `steps` (all when None) to another store, a path or URL (created
         there when missing) or an open store, with only the objects it lacks; ids preserved."""
         self._check_open()
+        chosen(self, steps)  # a missing step is refused before the destination is made
         with _opened(dest, self.chunk_size, self) as target:
             return copy_checkpoints(self, target, steps, progress=progress, why="push")
 

@@ -343,3 +343,27 @@ def test_a_pull_whose_source_removes_a_checkpoint_meanwhile_copies_the_others(tm
         assert [ck.step for ck in report.copied] == [2, 3]
         assert_same(dst.load(3), state(30))
         assert dst.verify().ok
+
+
+def test_a_refused_push_makes_no_destination_and_pull_makes_a_new_store_as_push_does(tmp_path):
+    """`cas push DEST 99` (no step 99) exited 2 but made an empty store at DEST. `cas pull` into
+    a new store made it with default options: a 4 MiB chunk size whatever the source's (saves
+    resumed from it did not dedup against what it copied), and encrypted under $CAS_KEY_FILE
+    with its own master key, so the pull was refused (audit of stop 38)."""
+    source = tmp_path / "src"
+    with cas.open(source, chunk_size=1 << 20) as store:
+        store.save({"w": torch.arange(300_000.0)}, step=1)
+    refused = cli("push", tmp_path / "dest", 99, store=source)
+    assert refused.returncode == 2 and "no checkpoint with step 99" in refused.stderr
+    assert not os.path.exists(tmp_path / "dest")
+    key_file = tmp_path / "key"
+    key_file.write_text("a passphrase")
+    env = {**os.environ, "CAS_KEY_FILE": str(key_file)}
+    env.pop("CAS_STORE", None)
+    pulled = subprocess.run([sys.executable, "-m", "cas.cli", "--store", str(tmp_path / "new"), "pull", str(source)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert pulled.returncode == 0, pulled.stderr
+    with cas.open(tmp_path / "new") as new:
+        assert new.chunk_size == 1 << 20 and not new.encrypted and [ck.step for ck in new.checkpoints()] == [1]
+        new.save({"w": torch.arange(300_000.0)}, step=2)
+        assert new.get(2).new_bytes < 4096  # the copied chunks are the ones a resumed save makes

@@ -31,10 +31,22 @@ def cmd_push(store, args) -> int:
 
 @command("pull", "copy checkpoints of another store (a path or URL) into this one with only the objects "
          "it lacks; checkpoint ids are preserved",
-         _add_transfer("src", "the store to copy from"), creates_store=True)
-def cmd_pull(store, args) -> int:
+         _add_transfer("src", "the store to copy from"), opens_store=False)
+def cmd_pull(path: str, args) -> int:
+    """Into a store that is not there yet, the source pushes: the new store gets the source's
+    chunk size and master key, as a push makes its destination (made with defaults, it was
+    encrypted under $CAS_KEY_FILE's own new master key, which no copy could share, and saves
+    resumed from it did not dedup against what it copied), and a refused copy makes none."""
+    from cas.api import Store
+    from cas.store.location import locate
+
     with progress_for(args) as progress:
-        report = store.pull(args.src, args.steps or None, progress=progress)
+        if locate(path).has_config():
+            with Store(path, create=False) as store:
+                report = store.pull(args.src, args.steps or None, progress=progress)
+        else:
+            with Store(args.src, create=False, readonly=True) as source:
+                report = source.push(path, args.steps or None, progress=progress)
     return _print(report, "pulled", args)
 
 
