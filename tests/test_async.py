@@ -418,3 +418,14 @@ def test_saves_inside_inference_mode_and_under_another_default_device(store):
         torch.set_default_device(None)
     assert loaded.device.type == "cpu" and torch.equal(loaded, torch.full((3000,), 2.0))
     assert torch.equal(store.load(2)["w"], torch.zeros(2000))
+
+
+def test_a_stateful_target_below_the_top_level_is_refused_not_left_as_it_was(store):
+    """restore({"nets": {"g": G}}) returned without error and restored nothing into G, though
+    the save had reached it (audit of stop 38)."""
+    g, fresh = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    store.save({"nets": {"g": g}}, step=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(TypeError, match="restore target 'nets.g' is a Linear below the top level"):
+        store.restore({"nets": {"g": fresh}}, step=1)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
