@@ -69,7 +69,6 @@ import fsspec
 import fsspec.core
 import fsspec.utils
 import msgpack
-import numpy as np
 import torch
 from fsspec.spec import AbstractFileSystem
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -80,7 +79,7 @@ from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError,
 from .opening import given_or_opened, open_named
 from .registry import Checkpoint
 from .store import CheckpointStore
-from .values import MAPPINGS, remade
+from .lightning_state import plain, same_values, storable
 
 PATHS_META = "lightning_paths"
 GLOBAL_STEP_META = "lightning_global_step"
@@ -368,7 +367,7 @@ class CasCheckpointIO(CheckpointIO):
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
         path = _where(path)
-        state = _storable(checkpoint)
+        state = storable(checkpoint)
         for attempt in range(PLACE_ATTEMPTS):
             with self._lock:
                 self._new_run_if_its_saver_is_gone()
@@ -553,7 +552,7 @@ class CasCheckpointIO(CheckpointIO):
             return False
         if "loops" not in checkpoint:
             return True
-        return _equal(reader.materialize(["loops"])["loops"], _storable(checkpoint["loops"]))
+        return same_values(reader.materialize(["loops"])["loops"], plain(checkpoint["loops"]))
 
     def _is_ours(self, marker: Marker) -> bool:
         """Whether `marker` names this plugin's store, however its path was spelled (a symlinked
@@ -572,14 +571,6 @@ class CasCheckpointIO(CheckpointIO):
 
     def close(self) -> None:
         self.store.close()
-
-
-def _equal(a, b) -> bool:
-    """Whether two plain values (a loop's progress) are equal; any doubt (tensors) is no."""
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False
 
 
 def _marker_or_none(path: str) -> Marker | None:
@@ -603,56 +594,6 @@ def _names(marker: Marker, ck: Checkpoint) -> bool:
 def _paths(ck: Checkpoint) -> list[str]:
     paths = ck.meta.get(PATHS_META)
     return paths if isinstance(paths, list) else []
-
-
-def _plain(value):
-    """The checkpoint with dict subclasses the store does not hold (Lightning's AttributeDict of
-    hyper_parameters) as plain dicts; everything else as it is."""
-    if isinstance(value, dict) and type(value) not in MAPPINGS[1:]:
-        return {k: _plain(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-_HPARAMS = ("hyper_parameters", "datamodule_hyper_parameters")
-
-
-def _storable(checkpoint: dict) -> dict:
-    """The checkpoint as the store holds it (_plain), with each hyperparameter the store cannot
-    hold (a Path, an Enum, a device, a class, a module) as its text, with a warning naming it:
-    Lightning's own file pickles them, a store never unpickles, and refusing them killed fit at
-    its first checkpoint (a module became its state dict; audit of stop 38)."""
-    out = _plain(checkpoint)
-    for key in _HPARAMS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _hparam(v, f"{key}.{k}") for k, v in out[key].items()}
-    return out
-
-
-_SCALARS = (type(None), bool, int, float, str, bytes)  # exact types: an IntEnum or a str Enum is no int or str here
-
-
-def _kept(value) -> bool:
-    """Whether a hyperparameter is a value the store holds as it is."""
-    if type(value) in _SCALARS or isinstance(value, (torch.Tensor, np.ndarray, np.generic, torch.dtype)):
-        return True
-    return isinstance(value, (set, frozenset)) and all(type(v) in _SCALARS for v in value)
-
-
-def _hparam(value, where: str):
-    if type(value) in MAPPINGS:
-        return remade(value, ((k, _hparam(v, f"{where}.{k}")) for k, v in value.items()))
-    if type(value) in (list, tuple):
-        return type(value)(_hparam(v, f"{where}.{i}") for i, v in enumerate(value))
-    if _kept(value):
-        return value
-    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value) if isinstance(value, torch.device) \
-        else f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else repr(value)
-    warnings.warn(f"cas: the hyperparameter {where!r} (a {type(value).__qualname__}) is stored as the str {text!r}: a "
-                  "cas checkpoint holds no such object (Lightning's own file pickles it); load_from_checkpoint gets "
-                  "that str unless you pass the value again", stacklevel=4)
-    return text
 
 
 # --- Lightning's own loader reads markers too -----------------------------------------------
