@@ -23,6 +23,8 @@ is in the first figure only); nested stages are shown under their parent.
     .venv/bin/python bench/bench_profile.py --json out.json
     .venv/bin/python bench/bench_profile.py --codec          # per 4 MiB chunk: the codec's parts, one thread
     .venv/bin/python bench/bench_profile.py --mib 1024 --tensors 32 --fresh 5  # each load in a new process
+    .venv/bin/python bench/bench_profile.py --key            # every cas store encrypted (stages save.seal,
+                                                             # load.decrypt); against bench_crypto's plain one
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import torch
 import cas
 
 MiB = 1 << 20
+KEY = bytes(range(32))  # --key: every store is encrypted with this raw key (no passphrase KDF to time)
+OPEN_OPTIONS: dict = {}  # what every cas.open of the contenders gets (--key sets key=)
 
 
 # --- timers ------------------------------------------------------------------------------------
@@ -115,6 +119,7 @@ def instrument(timers: Timers) -> None:
     """Wrap the functions each stage runs (looked up where their callers find them)."""
     import cas.backend  # noqa: F401
     import cas.codecs as codecs
+    import cas.crypt as crypt
     import cas.hashing as hashing
     import cas.fsutil as fsutil
     import cas.index as index
@@ -146,6 +151,9 @@ def instrument(timers: Timers) -> None:
     timers.wrap(localfs.LocalBackend, "get", "load.read")
     timers.wrap(codecs, "_decompress_into", "load.zstd")
     timers.wrap(codecs, "ungroup_bytes", "load.ungroup")
+    timers.wrap(crypt.EncryptedBackend, "seal", "save.seal")  # --key: AES-GCM, whole blobs
+    timers.wrap(crypt.SealedStream, "_seal", "save.seal")  # and segments of streamed packs
+    timers.wrap(crypt.EncryptedBackend, "_open_segments", "load.decrypt")
     del packs
 
 
@@ -186,14 +194,14 @@ def cpu_now() -> float:
 
 
 def cas_save(state, path: str, compress: bool) -> tuple[float, float]:
-    with cas.open(path, compress=compress) as store:
+    with cas.open(path, compress=compress, **OPEN_OPTIONS) as store:
         start, cpu = time.perf_counter(), cpu_now()
         store.save(state, step=1)
         return time.perf_counter() - start, cpu_now() - cpu
 
 
 def cas_load(path: str):
-    with cas.open(path) as store:
+    with cas.open(path, **OPEN_OPTIONS) as store:
         return store.load(1)
 
 
@@ -288,11 +296,12 @@ import torch, cas
 import cas.api  # cas.open imports it on first use: an import, timed no more than torch's
 from bench_profile import cpu_now
 mode, where = sys.argv[1], sys.argv[2]
+options = {"key": bytes.fromhex(sys.argv[4])} if len(sys.argv) > 4 else {}
 start, cpu = time.perf_counter(), cpu_now()
 if mode == "torch":
     torch.load(where, weights_only=True)
 else:
-    with cas.open(where) as store:
+    with cas.open(where, **options) as store:
         store.load(1)
 print(json.dumps([time.perf_counter() - start, cpu_now() - cpu]))
 """
@@ -313,8 +322,9 @@ def fresh_loads(state, scratch: str, rounds: int) -> dict:
     runs: dict[str, list] = {m: [] for m in modes}
     for _ in range(rounds):
         for mode in modes:
-            out = subprocess.run([sys.executable, "-c", _FRESH_CHILD, mode, paths[mode], here],
-                                 capture_output=True, text=True, check=True)
+            key = [OPEN_OPTIONS["key"].hex()] if "key" in OPEN_OPTIONS else []
+            out = subprocess.run([sys.executable, "-c", _FRESH_CHILD, mode, paths[mode], here, *key],
+                                 capture_output=True, text=True, check=True, cwd=scratch)
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
     ref = [w for w, _ in runs["torch"]]
     print(f"\nresume loads, each in a new process ({rounds} rounds, interleaved); wall s min / median, "
@@ -384,8 +394,11 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--fresh", type=int, default=0, metavar="N",
                     help="also N rounds of resume loads, each in a new process (torch.load, cas, cas compress=False)")
+    ap.add_argument("--key", action="store_true", help="every cas store encrypted (a raw key: no KDF)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.key:
+        OPEN_OPTIONS["key"] = KEY
     result: dict = {"args": vars(args), "cas": os.path.dirname(cas.__file__)}
     if args.codec:
         result["codec"] = codec_parts()

@@ -111,7 +111,7 @@ class EncryptedBackend:
         return getattr(self.inner, attr)
 
     # --- sealing ---------------------------------------------------------------------------
-    def seal(self, name: str, parts: Iterable, into: bytearray | None = None) -> memoryview:
+    def seal(self, name: str, parts: Iterable, into=None) -> memoryview:
         """The sealed bytes of a blob, in `into` (a buffer of the pool, given back by the caller
         once the inner write consumed them) or a new one."""
         pieces = _Pieces(parts)
@@ -228,7 +228,7 @@ class EncryptedBackend:
         if plain_blob(name):
             return self.inner.get(name, start, length, buffer=buffer)
         if start == 0 and length is None:
-            held: list[bytearray] = []
+            held: list = []
 
             def pooled(nbytes: int) -> memoryview:
                 held.append(_POOL.take(nbytes))
@@ -299,7 +299,7 @@ class EncryptedBackend:
                 return bytes(into) if buffer is None else into
         for attempt in range(2):
             sealing = self._salts.get(name) if attempt == 0 and not _SEGMENTS.bypassing() else None
-            held: list[bytearray] = []
+            held: list = []
 
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
                 held.append(_POOL.take(nbytes))
