@@ -3,7 +3,8 @@
 Blobs (`EncryptedBackend`, the cas/backend.py contract around any backend): every blob but the
 config, `keys/` and `leases/` (which hold no user data) is written as
     magic (8 bytes) | salt (16 random bytes) | segment 0 | segment 1 | ...
-each segment 64 KiB of plaintext (the last one shorter, possibly empty) sealed with AES-256-GCM
+each segment 1 MiB of plaintext (64 KiB in stores of scheme 1 and 2: cas/keys.py; the last one
+shorter, possibly empty) sealed with AES-256-GCM
 (16-byte tag) under the blob key blake3(key=aead subkey, b"cas blob key\\0" + salt), nonce =
 segment number (11 bytes, big-endian) | 1 for the last segment else 0. The associated data
 binds each blob to where it belongs: with magic b"casenc1\\n" the blob's whole name (a blob
@@ -32,7 +33,8 @@ from .buffers import POOL as _POOL
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
-                   SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, StoreKeys, add_key, aead_cipher,
+                   SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, SEGMENT_V1, StoreKeys, segment_of,
+                   add_key, aead_cipher,
                    check_fields, check_of, encryption_fields, invalid_tag, key_blob, key_from_env, key_ids,
                    new_key_id, read_key_file, remove_key, stray_key_ids, unlock, user_key)
 
@@ -55,20 +57,20 @@ def plain_blob(name: str) -> bool:
     return name == "config" or name.startswith((KEYS_PREFIX, REMOVING_PREFIX, "leases/"))
 
 
-def sealed_size(plain: int) -> int:
-    return HEADER + plain + TAG * max(1, -(-plain // SEGMENT))
+def sealed_size(plain: int, segment: int = SEGMENT) -> int:
+    return HEADER + plain + TAG * max(1, -(-plain // segment))
 
 
-def plain_size(sealed: int) -> int:
+def plain_size(sealed: int, segment: int = SEGMENT) -> int:
     body = sealed - HEADER
     if body < TAG:
         return 0
-    return body - TAG * max(1, -(-body // (SEGMENT + TAG)))
+    return body - TAG * max(1, -(-body // (segment + TAG)))
 
 
-def _segment_at(i: int) -> int:
+def _segment_at(i: int, segment: int) -> int:
     """Where segment i of a sealed blob starts."""
-    return HEADER + i * (SEGMENT + TAG)
+    return HEADER + i * (segment + TAG)
 
 
 def _nonce(i: int, last: bool) -> bytes:
@@ -93,8 +95,9 @@ def _key_of(name: str) -> str | None:
 class EncryptedBackend:
     """A backend whose blobs are sealed (module docstring); everything else is the inner one's."""
 
-    def __init__(self, inner, keys: StoreKeys, *, streams: bool = True) -> None:
+    def __init__(self, inner, keys: StoreKeys, *, streams: bool = True, segment: int = SEGMENT) -> None:
         self.inner = inner
+        self.segment = segment  # plaintext bytes per sealed segment (the store's scheme: cas/keys.py)
         self.keys = keys
         self.namer = keys.namer
         self.capabilities = inner.capabilities
@@ -114,9 +117,9 @@ class EncryptedBackend:
     def seal(self, name: str, parts: Iterable, into=None) -> memoryview:
         """The sealed bytes of a blob, in `into` (a buffer of the pool, given back by the caller
         once the inner write consumed them) or a new one."""
-        pieces = _Pieces(parts)
+        pieces, seg = _Pieces(parts), self.segment
         total = pieces.total
-        nseg = max(1, -(-total // SEGMENT))
+        nseg = max(1, -(-total // seg))
         size = HEADER + total + TAG * nseg
         out = memoryview(into if into is not None and len(into) >= size else bytearray(size))[:size]
         salt = os.urandom(SALT)
@@ -124,8 +127,8 @@ class EncryptedBackend:
         out[len(BLOB_MAGIC):HEADER] = salt
         aead, aad = self.keys.blob_aead(salt), _aad(name)
         for i in range(nseg):
-            lo, hi = i * SEGMENT, min(total, (i + 1) * SEGMENT)
-            at = _segment_at(i)
+            lo, hi = i * seg, min(total, (i + 1) * seg)
+            at = _segment_at(i, seg)
             aead.encrypt_into(_nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
                               out[at:at + hi - lo + TAG])
         return out
@@ -133,7 +136,8 @@ class EncryptedBackend:
     def _open_stream(self, name_hint: str) -> "SealedStream":
         """A pack sealed as it is streamed (cas/packs.py PackStream): see SealedStream."""
         salt = os.urandom(SALT)
-        return SealedStream(self.inner.stream(name_hint), self.keys.blob_aead(salt), _stream_aad(name_hint), salt)
+        return SealedStream(self.inner.stream(name_hint), self.keys.blob_aead(salt), _stream_aad(name_hint), salt,
+                            self.segment)
 
     def _damaged(self, name: str, why: str) -> CorruptionError:
         return CorruptionError(f"{name} fails its authentication check ({why}: damaged or tampered ciphertext)",
@@ -158,16 +162,16 @@ class EncryptedBackend:
         this thread's cache of recent segments (or found there: small objects read one after
         another from a pack share them). With `whole`, body runs to the blob's end, whose last
         segment must say it is the last."""
-        (salt, aad), invalid = sealing, invalid_tag()
+        (salt, aad), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
         pos, plain, i = 0, 0, first
         while pos < len(body) or (whole and pos == 0):
-            ct = body[pos:pos + SEGMENT + TAG]
+            ct = body[pos:pos + seg + TAG]
             if len(ct) < TAG:
                 raise self._damaged(name, f"segment {i} is cut short")
             n = len(ct) - TAG
-            short = n < SEGMENT or (whole and pos + len(ct) == len(body))
+            short = n < seg or (whole and pos + len(ct) == len(body))
             inside = skip <= plain and plain + n <= end
             opened = None if inside else _SEGMENTS.get(sealing, i, n, short)
             if opened is not None:
@@ -195,13 +199,14 @@ class EncryptedBackend:
     def _cached_range(self, sealing: tuple[bytes, bytes], start: int, length: int, into) -> bool:
         """Fill `into` with plain bytes [start, start + length) from this thread's opened
         segments, with no read, when they hold all of it (a small object next to one just read)."""
-        first, last = start // SEGMENT, (start + length - 1) // SEGMENT
+        seg = self.segment
+        first, last = start // seg, (start + length - 1) // seg
         if last - first > 1:
             return False
         opened = [_SEGMENTS.peek(sealing, i) for i in range(first, last + 1)]
-        if any(o is None for o in opened) or (len(opened) == 2 and len(opened[0][0]) != SEGMENT):
+        if any(o is None for o in opened) or (len(opened) == 2 and len(opened[0][0]) != seg):
             return False
-        pieces, lo = _Pieces(o[0] for o in opened), start - first * SEGMENT
+        pieces, lo = _Pieces(o[0] for o in opened), start - first * seg
         if lo + length > pieces.total:
             return False
         into[:length] = pieces.span(lo, lo + length)
@@ -217,7 +222,7 @@ class EncryptedBackend:
 
     def _sealed_write(self, write, name: str, parts: Iterable):
         parts = list(parts)
-        buf = _POOL.take(sealed_size(sum(memoryview(p).nbytes for p in parts)))
+        buf = _POOL.take(sealed_size(sum(memoryview(p).nbytes for p in parts), self.segment))
         try:
             return write(name, [self.seal(name, parts, buf)])
         finally:
@@ -237,7 +242,7 @@ class EncryptedBackend:
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
                 if name in self.mended and bytes(sealed) != self.mended[name]:
                     sealed = self.mended[name]
-                size = plain_size(len(sealed))
+                size = plain_size(len(sealed), self.segment)
                 out = buffer(max(size, 1))[:size] if buffer is not None else bytearray(size)
                 try:
                     self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
@@ -266,7 +271,7 @@ class EncryptedBackend:
             return None
 
         def opens(candidate) -> bool:
-            out = memoryview(bytearray(plain_size(len(candidate))))
+            out = memoryview(bytearray(plain_size(len(candidate), self.segment)))
             try:
                 self._open_segments(name, self._salt(name, bytes(candidate)), memoryview(candidate)[HEADER:], 0, out,
                                     whole=True)
@@ -289,11 +294,12 @@ class EncryptedBackend:
         if length <= 0:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
             return b"" if buffer is None else buffer(1)[:0]
-        first, last = start // SEGMENT, (start + length - 1) // SEGMENT
-        cstart = _segment_at(first)
-        clen = (last - first + 1) * (SEGMENT + TAG)
+        seg = self.segment
+        first, last = start // seg, (start + length - 1) // seg
+        cstart = _segment_at(first, seg)
+        clen = (last - first + 1) * (seg + TAG)
         sealing = self._salts.get(name)
-        if sealing is not None and length <= SEGMENT and not _SEGMENTS.bypassing():
+        if sealing is not None and length <= seg and not _SEGMENTS.bypassing():
             into = memoryview(bytearray(length)) if buffer is None else buffer(max(length, 1))[:length]
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
@@ -312,7 +318,7 @@ class EncryptedBackend:
                     if sealing is None:
                         sealing = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
-                skip = start - first * SEGMENT
+                skip = start - first * seg
                 into = (memoryview(bytearray(length)) if buffer is None
                         else buffer(max(length, 1))[:length])
                 try:
@@ -331,24 +337,24 @@ class EncryptedBackend:
 
     def stat(self, name: str) -> int | None:
         size = self.inner.stat(name)
-        return size if size is None or plain_blob(name) else plain_size(size)
+        return size if size is None or plain_blob(name) else plain_size(size, self.segment)
 
     def list(self, prefix: str) -> list[str]:
         return self.inner.list(prefix)
 
     def list_sizes(self, prefix: str) -> list[tuple[str, int]]:
-        return [(n, s if plain_blob(n) else plain_size(s)) for n, s in self.inner.list_sizes(prefix)]
+        return [(n, s if plain_blob(n) else plain_size(s, self.segment)) for n, s in self.inner.list_sizes(prefix)]
 
     def peek(self, staged: Staged, nbytes: int) -> tuple[int, bytes]:
         if plain_blob(staged.name):
             return self.inner.peek(staged, nbytes)
-        segs = max(1, -(-nbytes // SEGMENT))
-        size, head = self.inner.peek(staged, _segment_at(segs))
+        segs = max(1, -(-nbytes // self.segment))
+        size, head = self.inner.peek(staged, _segment_at(segs, self.segment))
         sealing = self._salt(staged.name, head)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
         n = self._open_segments(staged.name, sealing, body, 0, memoryview(out), whole=len(head) == size)
-        return plain_size(size), bytes(out[:min(n, nbytes)])
+        return plain_size(size, self.segment), bytes(out[:min(n, nbytes)])
 
     # --- writes ----------------------------------------------------------------------------
     def put_if_absent(self, name: str, parts: Iterable) -> bool:
@@ -441,8 +447,8 @@ class SealedStream:
     The last segment, sealed as the last (possibly empty), is written at close, when the
     blob's length is known. Plain bytes reach the inner file only sealed."""
 
-    def __init__(self, inner, aead, aad: bytes, salt: bytes) -> None:
-        self._inner, self._aead, self._aad = inner, aead, aad
+    def __init__(self, inner, aead, aad: bytes, salt: bytes, segment: int = SEGMENT) -> None:
+        self._inner, self._aead, self._aad, self._seg = inner, aead, aad, segment
         self._lock = threading.Lock()
         self._partial: dict[int, list] = {}  # segment -> [its plain bytes so far, how many]
         self._end = 0  # plain bytes: the furthest any write reached
@@ -459,28 +465,28 @@ class SealedStream:
 
     def _seal_one(self, i: int, plain, last: bool) -> None:
         """Seal segment i alone and write it at its place."""
-        self._write(_segment_at(i), self._seal(i, plain, last, memoryview(bytearray(len(plain) + TAG))))
+        self._write(_segment_at(i, self._seg), self._seal(i, plain, last, memoryview(bytearray(len(plain) + TAG))))
 
     def write_at(self, offset: int, parts: list) -> int:
         pieces = _Pieces(parts)
         total = pieces.total
         if not total:
             return 0
-        end = offset + total
-        whole_lo, whole_hi = -(-offset // SEGMENT), end // SEGMENT  # segments this write covers whole
+        end, seg = offset + total, self._seg
+        whole_lo, whole_hi = -(-offset // seg), end // seg  # segments this write covers whole
         if whole_hi > whole_lo:
-            buf = _POOL.take((whole_hi - whole_lo) * (SEGMENT + TAG))
+            buf = _POOL.take((whole_hi - whole_lo) * (seg + TAG))
             try:
                 out = memoryview(buf)
                 for j, i in enumerate(range(whole_lo, whole_hi)):
-                    plain = pieces.span(i * SEGMENT - offset, (i + 1) * SEGMENT - offset)
-                    self._seal(i, plain, False, out[j * (SEGMENT + TAG):])
-                self._write(_segment_at(whole_lo), out[:(whole_hi - whole_lo) * (SEGMENT + TAG)])
+                    plain = pieces.span(i * seg - offset, (i + 1) * seg - offset)
+                    self._seal(i, plain, False, out[j * (seg + TAG):])
+                self._write(_segment_at(whole_lo, seg), out[:(whole_hi - whole_lo) * (seg + TAG)])
             finally:
                 _POOL.give(buf)
-        for i in sorted({offset // SEGMENT, (end - 1) // SEGMENT} - set(range(whole_lo, whole_hi))):
-            lo, hi = max(offset, i * SEGMENT), min(end, (i + 1) * SEGMENT)
-            self._gather(i, lo - i * SEGMENT, pieces.span(lo - offset, hi - offset))
+        for i in sorted({offset // seg, (end - 1) // seg} - set(range(whole_lo, whole_hi))):
+            lo, hi = max(offset, i * seg), min(end, (i + 1) * seg)
+            self._gather(i, lo - i * seg, pieces.span(lo - offset, hi - offset))
         with self._lock:
             self._end = max(self._end, end)
         return total
@@ -489,26 +495,27 @@ class SealedStream:
         with self._lock:
             slot = self._partial.get(i)
             if slot is None:
-                slot = self._partial[i] = [bytearray(SEGMENT), 0]
+                slot = self._partial[i] = [bytearray(self._seg), 0]
             slot[0][at:at + len(plain)] = plain
             slot[1] += len(plain)
-            full = slot[1] == SEGMENT
+            full = slot[1] == self._seg
             if full:
                 del self._partial[i]
         if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
             self._seal_one(i, slot[0], False)
 
     def writeback(self, offset: int, nbytes: int) -> None:
-        first, stop = offset // SEGMENT, (offset + nbytes) // SEGMENT
+        seg = self._seg
+        first, stop = offset // seg, (offset + nbytes) // seg
         if stop > first:
-            self._inner.writeback(_segment_at(first), (stop - first) * (SEGMENT + TAG))
+            self._inner.writeback(_segment_at(first, seg), (stop - first) * (seg + TAG))
 
     def close(self, name: str, *, fsync: bool = True) -> Staged:
         """Seal and write the last segment, then end the inner stream (a staged blob for `name`)."""
         with self._lock:
-            last, pending = self._end // SEGMENT, dict(self._partial)
+            last, pending = self._end // self._seg, dict(self._partial)
             self._partial.clear()
-        n = self._end - last * SEGMENT
+        n = self._end - last * self._seg
         slot = pending.pop(last, None)
         if pending or (n and (slot is None or slot[1] != n)):
             self._inner.discard()
@@ -525,10 +532,10 @@ class _OpenedSegments:
     """Each thread's few most recently opened edge segments, keyed by their blob's salt (random
     per write: a rewritten blob never matches), associated data (a blob copied under another
     name opens nothing from here) and number: a load reads a pack's small objects
-    one after another, and each would otherwise decrypt the same 64 KiB segment again (on a
+    one after another, and each would otherwise decrypt the same segment again (on a
     small model, as many bytes again as the whole payload). Only authenticated plaintext enters."""
 
-    KEEP = 16  # segments per thread: 1 MiB
+    KEEP_BYTES = 2 << 20  # per thread: two segments of 1 MiB (an entry spans at most two), 32 of 64 KiB
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -568,10 +575,10 @@ class _OpenedSegments:
 
     def put(self, sealing: tuple[bytes, bytes], i: int, plain, marked_last: bool) -> tuple:
         table = self._table()
-        if len(table) >= self.KEEP:
+        table[(sealing, i)] = entry = (plain, marked_last)
+        while len(table) > 2 and sum(len(p) for p, _ in table.values()) > self.KEEP_BYTES:
             del table[next(iter(table))]  # the oldest (dicts keep insertion order)
-        table[(sealing, i)] = (plain, marked_last)
-        return table[(sealing, i)]
+        return entry
 
 
 _SEGMENTS = _OpenedSegments()
@@ -591,7 +598,7 @@ def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):
     store's sealing scheme (its config's), which says whether packs may be streamed."""
     if keys is None or isinstance(backend, EncryptedBackend):
         return backend
-    return EncryptedBackend(backend, keys, streams=version >= 2)
+    return EncryptedBackend(backend, keys, streams=version >= 2, segment=segment_of(version))
 
 
 def namer_of(backend) -> Namer:

@@ -184,7 +184,10 @@ def run_writer(kind: str, store_path: str, workdir: str, seed: int, max_steps: i
     with cas.open(store_path, **opts) as store:
         # committed by the killed predecessor after its last journal line: check it exists, go on
         while store.exists(BASE[kind] + i):
-            ck = store.get(BASE[kind] + i)
+            try:
+                ck = store.get(BASE[kind] + i)
+            except cas.CheckpointNotFoundError:  # a retention gc removed it since: save the step anew
+                break
             tensors, values = flatten(state_for(kind, i))
             journal.append(event="existed", i=i, step=ck.step, id=ck.id.hex() if isinstance(ck.id, bytes) else str(ck.id),
                            tensors=tensors, values=values, milestone=ck.milestone)

@@ -471,20 +471,28 @@ def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
         store.load(1)
 
 
-@pytest.mark.parametrize("size", [0, 1, crypt.SEGMENT - 1, crypt.SEGMENT, crypt.SEGMENT + 1, 3 * crypt.SEGMENT + 7,
-                                  2 * MAP_FROM + 12345])  # the last one read through a mapping
-def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
+SEGMENTS = [crypt.SEGMENT, crypt.SEGMENT_V1]  # new stores' and those of sealing schemes 1 and 2
+
+
+def _sizes(*multiples):
+    """(segment, size) pairs: sizes as (segments, bytes more) of each segment size, plus sizes read
+    through a mapping."""
+    return [(seg, k * seg + extra) for seg in SEGMENTS for k, extra in multiples] + \
+        [(seg, 2 * MAP_FROM + 12345) for seg in SEGMENTS]
+
+
+@pytest.mark.parametrize("seg,size", _sizes((0, 0), (0, 1), (1, -1), (1, 0), (1, 1), (3, 7)))
+def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
     from cas.localfs import LocalBackend
 
     (tmp_path / "tmp").mkdir()
     keys = crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY))
-    backend = crypt.EncryptedBackend(LocalBackend(str(tmp_path)), keys)
+    backend = crypt.EncryptedBackend(LocalBackend(str(tmp_path)), keys, segment=seg)
     data = os.urandom(size)
     parts = [data[:size // 3], data[size // 3:size // 2], data[size // 2:]]
     assert backend.put_if_absent("log/x", parts)
-    assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == crypt.sealed_size(size)
+    assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == crypt.sealed_size(size, seg)
     assert backend.get("log/x") == data
-    seg = crypt.SEGMENT
     for start, length in [(0, 10), (size // 2, 100), (seg - 3, 10), (max(size - 5, 0), 50), (seg - 3, 2 * seg + 10),
                           (seg, seg), (5, size), (seg + 1, MAP_FROM + 3)]:
         assert backend.get("log/x", start, length) == data[start:start + length]
@@ -497,8 +505,8 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
     assert backend.peek(staged, 64) == (size, data[:64])
     backend.discard(staged)
     sealed = (tmp_path / "log" / "x").read_bytes()
-    if size >= crypt.SEGMENT:  # cut at a segment boundary: the last segment left does not say it is last
-        (tmp_path / "log" / "y").write_bytes(sealed[:crypt.HEADER + crypt.SEGMENT + crypt.TAG])
+    if size >= seg:  # cut at a segment boundary: the last segment left does not say it is last
+        (tmp_path / "log" / "y").write_bytes(sealed[:crypt.HEADER + seg + crypt.TAG])
         with pytest.raises(CorruptionError):
             backend.get("log/y")
     (tmp_path / "log" / "z").write_bytes(sealed)  # the same bytes under another name
@@ -510,15 +518,16 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, size):
             backend.get("log/z", size // 2, 1)
 
 
-def _sealed_backend(tmp_path):
+def _sealed_backend(tmp_path, segment: int = crypt.SEGMENT):
     from cas.localfs import LocalBackend
 
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return crypt.EncryptedBackend(LocalBackend(str(tmp_path)), crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY)))
+    return crypt.EncryptedBackend(LocalBackend(str(tmp_path)), crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY)),
+                                  segment=segment)
 
 
-@pytest.mark.parametrize("size", [9, crypt.SEGMENT, 3 * crypt.SEGMENT, 5 * crypt.SEGMENT + 77, 2 * MAP_FROM + 5])
-def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_path, size):
+@pytest.mark.parametrize("seg,size", _sizes((0, 9), (1, 0), (3, 0), (5, 77)))
+def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_path, seg, size):
     """Writes of any size and place, split into parts, arriving in any order from several
     threads (as a save's workers stream a pack): what reads back is what was written, whole and
     by range; the file holds no plaintext; a segment cut, a byte flipped or the blob moved out of
@@ -526,10 +535,10 @@ def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_p
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    backend = _sealed_backend(tmp_path)
+    backend = _sealed_backend(tmp_path, seg)
     rng = random.Random(size)
     data = (MARK_TENSOR * (size // len(MARK_TENSOR) + 1))[:size - 1] + b"!"
-    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(12)), *(i * crypt.SEGMENT for i in range(1, 4))})
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(12)), *(i * seg for i in range(1, 4))})
     writes = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if lo < hi <= size]
     rng.shuffle(writes)
     stream = backend.stream("packs/00/" + "00" * 32)
@@ -546,14 +555,14 @@ def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_p
     sealed = path.read_bytes()
     assert sealed.startswith(crypt.STREAM_MAGIC) and MARK_TENSOR not in sealed
     assert backend.stat(name) == size and backend.get(name) == data
-    for start, length in [(0, 5), (size // 2, 100), (crypt.SEGMENT - 3, 10), (max(size - 7, 0), 7), (1, size - 1)]:
+    for start, length in [(0, 5), (size // 2, 100), (seg - 3, 10), (max(size - 7, 0), 7), (1, size - 1)]:
         assert backend.get(name, start, length) == data[start:start + length]
     (tmp_path / "log").mkdir()
     (tmp_path / "log" / "x").write_bytes(sealed)  # the same bytes as a blob of another kind
     with pytest.raises(CorruptionError):
         backend.get("log/x")
-    if size > crypt.SEGMENT:  # cut after a whole segment: the one left does not say it is the last
-        path.write_bytes(sealed[:crypt.HEADER + crypt.SEGMENT + crypt.TAG])
+    if size > seg:  # cut after a whole segment: the one left does not say it is the last
+        path.write_bytes(sealed[:crypt.HEADER + seg + crypt.TAG])
         with pytest.raises(CorruptionError):
             backend.get(name)
     flipped = bytearray(sealed)
@@ -573,27 +582,61 @@ def test_a_streamed_pack_closed_with_bytes_missing_is_refused(tmp_path):
     assert not [p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith(".owner.")]  # the stream's file went
 
 
-def test_new_stores_stream_sealed_packs_and_version_1_stores_keep_sealing_them_whole(tmp_path, monkeypatch):
-    state = {"w": torch.randn(1 << 18), "s": torch.arange(5)}
-    with cas.open(tmp_path / "v2", key="k") as store:
+@pytest.mark.parametrize("version", [1, 2])
+def test_new_stores_seal_1_mib_segments_and_older_stores_keep_their_scheme(tmp_path, monkeypatch, version):
+    """New stores (scheme 3) stream packs sealed in 1 MiB segments; a store made by an older cas
+    (scheme 1: packs sealed whole; scheme 2: streamed, 64 KiB segments) is read and written with
+    its own scheme, so that cas still reads it."""
+    state = {"w": torch.randn(1 << 19), "s": torch.arange(5)}
+    with cas.open(tmp_path / "new", key="k") as store:
         store.save(state, step=1)
-        assert store.config.encryption["version"] == 2
+        assert store.config.encryption["version"] == 3 and store.config.encryption["segment"] == 1 << 20
         packs = [store.backend.path(n) for n in store.backend.list("packs/")]
-    assert packs and all(open(p, "rb").read(8) == crypt.STREAM_MAGIC for p in packs)
+        assert packs and all(open(p, "rb").read(8) == crypt.STREAM_MAGIC for p in packs)
+        _opens_only_with_segments_of(store.backend, 1 << 20)
     from cas import keys
-    monkeypatch.setattr(keys, "ENCRYPTION_VERSION", 1)  # a store made by the cas before streamed blobs
-    with cas.open(tmp_path / "v1", key="k") as store:
+    monkeypatch.setattr(keys, "ENCRYPTION_VERSION", version)  # a store made by an older cas
+    with cas.open(tmp_path / "old", key="k") as store:
         store.save(state, step=1)
     monkeypatch.undo()
     monkeypatch.setenv(crypt.SCRYPT_ENV, "10")
-    with cas.open(tmp_path / "v1", key="k") as store:
-        assert store.config.encryption["version"] == 1
+    with cas.open(tmp_path / "old", key="k") as store:
+        assert store.config.encryption["version"] == version and store.config.encryption["segment"] == 64 << 10
         store.save({"w": state["w"] + 1, "s": state["s"]}, step=2)
         packs = [store.backend.path(n) for n in store.backend.list("packs/")]
         out = store.load(1)
         assert torch.equal(out["w"], state["w"]) and torch.equal(out["s"], state["s"])
+        assert torch.equal(store.load(2)["w"], state["w"] + 1)
         assert store.verify().ok
-    assert packs and all(open(p, "rb").read(8) == crypt.BLOB_MAGIC for p in packs)
+        _opens_only_with_segments_of(store.backend, 64 << 10)
+    magic = crypt.BLOB_MAGIC if version == 1 else crypt.STREAM_MAGIC
+    assert packs and all(open(p, "rb").read(8) == magic for p in packs)
+
+
+def _opens_only_with_segments_of(backend, segment: int) -> None:
+    """Every pack over one segment opens with `segment`-byte segments and fails with the other size."""
+    assert isinstance(backend, crypt.EncryptedBackend) and backend.segment == segment
+    other = crypt.SEGMENT_V1 if segment == crypt.SEGMENT else crypt.SEGMENT
+    wrong = crypt.EncryptedBackend(backend.inner, backend.keys, segment=other)
+    names = [n for n, size in backend.list_sizes("packs/") if size > min(segment, other) + 1]
+    assert names
+    for name in names:
+        assert len(backend.get(name)) == backend.stat(name)
+        with pytest.raises(CorruptionError):
+            wrong.get(name)
+
+
+def test_a_store_whose_segment_size_does_not_fit_its_scheme_is_refused(tmp_path):
+    with cas.open(tmp_path / "s", key="k") as store:
+        store.save({"w": torch.randn(10)}, step=1)
+    from cas.keys import check_fields
+    with cas.open(tmp_path / "s", key="k") as store:
+        fields = dict(store.config.encryption)
+    check_fields(fields, "here")
+    with pytest.raises(CasError, match="parameters this cas does not read"):
+        check_fields({**fields, "segment": 64 << 10}, "here")
+    with pytest.raises(CasError, match="does not know"):
+        check_fields({**fields, "version": 4}, "here")
 
 
 def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(tmp_path):
@@ -783,19 +826,19 @@ def test_repair_of_an_encrypted_pack_drops_only_the_entries_a_damaged_segment_co
     manifest nodes too. It now reads each entry on its own (the footer lists them)."""
     path, key_file = tmp_path / "s", tmp_path / "k"
     key_file.write_text("k")
-    a = torch.frombuffer(bytearray(os.urandom(600_000)), dtype=torch.uint8).clone()
+    a = torch.frombuffer(bytearray(os.urandom(3_000_000)), dtype=torch.uint8).clone()
     with cas.open(path, key="k", compress=False, chunk_size=64 << 10) as store:
         store.save({"a": a, "b": torch.arange(10)}, step=1)
         keys = [k for t in store.tensors(1) for k in t["chunks"]]
     (pack,) = [os.path.join(d, name) for d, _, names in os.walk(path / "packs") for name in names]
     data = bytearray(open(pack, "rb").read())
-    data[200_000] ^= 1  # inside a's chunks
+    data[crypt.SEGMENT + 200_000] ^= 1  # inside a's chunks, in the pack's second segment
     open(pack, "wb").write(bytes(data))
     assert cli("--store", path, "repair", key_file=key_file).returncode == 0
     with cas.open(path, key="k") as store:
         assert torch.equal(store.reader(1).read_tensor("b"), torch.arange(10))
         lost = [k for k in keys if store.objects.record(k) is None]
-        assert 1 <= len(lost) <= 2  # the chunks the damaged 64 KiB segment covers
+        assert 1 <= len(lost) <= crypt.SEGMENT // (64 << 10) + 1  # the chunks the damaged segment covers
         assert store.verify().damaged_steps == [1]
 
 
