@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 from .backend import Buffer, Staged
 from .bitrot import first_fix
 from .buffers import POOL as _POOL
+from .buffers import copy_bytes, fresh
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
@@ -121,7 +122,7 @@ class EncryptedBackend:
         total = pieces.total
         nseg = max(1, -(-total // seg))
         size = HEADER + total + TAG * nseg
-        out = memoryview(into if into is not None and len(into) >= size else bytearray(size))[:size]
+        out = (memoryview(into) if into is not None and len(into) >= size else fresh(size))[:size]
         salt = os.urandom(SALT)
         out[:len(BLOB_MAGIC)] = BLOB_MAGIC
         out[len(BLOB_MAGIC):HEADER] = salt
@@ -177,7 +178,7 @@ class EncryptedBackend:
             if opened is not None:
                 marked_last = opened[1]
             else:
-                dest = out[plain - skip:plain - skip + n] if inside else memoryview(bytearray(n))
+                dest = out[plain - skip:plain - skip + n] if inside else fresh(n)
                 try:
                     aead.decrypt_into(_nonce(i, short), ct, aad, dest)
                     marked_last = short
@@ -192,7 +193,7 @@ class EncryptedBackend:
             if not inside:
                 lo, hi = max(skip, plain), min(end, plain + n)
                 if lo < hi:
-                    out[lo - skip:hi - skip] = opened[0][lo - plain:hi - plain]
+                    copy_bytes(out[lo - skip:hi - skip], opened[0][lo - plain:hi - plain])
             pos, plain, i = pos + len(ct), plain + n, i + 1
         return plain
 
@@ -209,7 +210,7 @@ class EncryptedBackend:
         pieces, lo = _Pieces(o[0] for o in opened), start - first * seg
         if lo + length > pieces.total:
             return False
-        into[:length] = pieces.span(lo, lo + length)
+        copy_bytes(into[:length], pieces.span(lo, lo + length))
         return True
 
     @staticmethod
@@ -243,7 +244,7 @@ class EncryptedBackend:
                 if name in self.mended and bytes(sealed) != self.mended[name]:
                     sealed = self.mended[name]
                 size = plain_size(len(sealed), self.segment)
-                out = buffer(max(size, 1))[:size] if buffer is not None else bytearray(size)
+                out = buffer(max(size, 1))[:size] if buffer is not None else fresh(size)
                 try:
                     self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
                                         memoryview(out), whole=True)
@@ -300,7 +301,7 @@ class EncryptedBackend:
         clen = (last - first + 1) * (seg + TAG)
         sealing = self._salts.get(name)
         if sealing is not None and length <= seg and not _SEGMENTS.bypassing():
-            into = memoryview(bytearray(length)) if buffer is None else buffer(max(length, 1))[:length]
+            into = fresh(length) if buffer is None else buffer(max(length, 1))[:length]
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
         for attempt in range(2):
@@ -319,7 +320,7 @@ class EncryptedBackend:
                         sealing = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
                 skip = start - first * seg
-                into = (memoryview(bytearray(length)) if buffer is None
+                into = (fresh(length) if buffer is None
                         else buffer(max(length, 1))[:length])
                 try:
                     n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip)
@@ -422,18 +423,18 @@ class _Pieces:
         self.starts = list(accumulate((len(v) for v in self.views), initial=0))
         self.total = self.starts[-1]
 
-    def span(self, lo: int, hi: int, scratch: bytearray | None = None) -> memoryview | bytes:
+    def span(self, lo: int, hi: int, scratch=None) -> memoryview | bytes:
         if hi <= lo:
             return b""
         i = bisect.bisect_right(self.starts, lo) - 1
         off = lo - self.starts[i]
         if off + hi - lo <= len(self.views[i]):
             return self.views[i][off:off + hi - lo]
-        out = memoryview(scratch if scratch is not None and len(scratch) >= hi - lo else bytearray(hi - lo))[:hi - lo]
+        out = (memoryview(scratch) if scratch is not None and len(scratch) >= hi - lo else fresh(hi - lo))[:hi - lo]
         filled = 0
         while filled < hi - lo:
             take = min(hi - lo - filled, len(self.views[i]) - off)
-            out[filled:filled + take] = self.views[i][off:off + take]
+            copy_bytes(out[filled:filled + take], self.views[i][off:off + take])
             filled, i, off = filled + take, i + 1, 0
         return out
 
@@ -465,7 +466,7 @@ class SealedStream:
 
     def _seal_one(self, i: int, plain, last: bool) -> None:
         """Seal segment i alone and write it at its place."""
-        self._write(_segment_at(i, self._seg), self._seal(i, plain, last, memoryview(bytearray(len(plain) + TAG))))
+        self._write(_segment_at(i, self._seg), self._seal(i, plain, last, fresh(len(plain) + TAG)))
 
     def write_at(self, offset: int, parts: list) -> int:
         pieces = _Pieces(parts)
@@ -495,8 +496,8 @@ class SealedStream:
         with self._lock:
             slot = self._partial.get(i)
             if slot is None:
-                slot = self._partial[i] = [bytearray(self._seg), 0]
-            slot[0][at:at + len(plain)] = plain
+                slot = self._partial[i] = [fresh(self._seg), 0]
+            copy_bytes(slot[0][at:at + len(plain)], plain)
             slot[1] += len(plain)
             full = slot[1] == self._seg
             if full:
