@@ -1,4 +1,5 @@
-"""Encryption at rest: the backend wrapper that seals every blob (the keys: cas/keys.py).
+"""Encryption at rest: the backend wrapper that seals every blob (the keys: cas/keys.py; the
+sealed layout and the streamed writer: cas/segments.py).
 
 Blobs (`EncryptedBackend`, the cas/backend.py contract around any backend): every blob but the
 config, `keys/` and `leases/` (which hold no user data) is written as
@@ -20,17 +21,17 @@ AES-GCM call, so the pass runs beside hashing and compression on the other cores
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 from contextlib import contextmanager
-from itertools import accumulate
 from typing import Iterable, Iterator
 
 from .backend import Buffer, Staged
 from .bitrot import first_fix
 from .buffers import POOL as _POOL
 from .buffers import copy_bytes, fresh
+from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Pieces, SealedStream,  # noqa: F401
+                       nonce, plain_size, sealed_size, segment_at)
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
@@ -39,11 +40,6 @@ from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, S
                    check_fields, check_of, encryption_fields, invalid_tag, key_blob, key_from_env, key_ids,
                    new_key_id, read_key_file, remove_key, stray_key_ids, unlock, user_key)
 
-TAG = 16
-BLOB_MAGIC = b"casenc1\n"  # bound to its name
-STREAM_MAGIC = b"casenc2\n"  # streamed: bound to its folder (module docstring)
-SALT = 16
-HEADER = len(BLOB_MAGIC) + SALT
 _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the header with it
 
 
@@ -56,26 +52,6 @@ def plain_blob(name: str) -> bool:
     """Blobs kept readable without the master key: they hold no user data (the config, the
     wrapped keys, writers' leases: pid, host, start time, purpose)."""
     return name == "config" or name.startswith((KEYS_PREFIX, REMOVING_PREFIX, "leases/"))
-
-
-def sealed_size(plain: int, segment: int = SEGMENT) -> int:
-    return HEADER + plain + TAG * max(1, -(-plain // segment))
-
-
-def plain_size(sealed: int, segment: int = SEGMENT) -> int:
-    body = sealed - HEADER
-    if body < TAG:
-        return 0
-    return body - TAG * max(1, -(-body // (segment + TAG)))
-
-
-def _segment_at(i: int, segment: int) -> int:
-    """Where segment i of a sealed blob starts."""
-    return HEADER + i * (segment + TAG)
-
-
-def _nonce(i: int, last: bool) -> bytes:
-    return i.to_bytes(11, "big") + (b"\x01" if last else b"\x00")
 
 
 def _aad(name: str) -> bytes:
@@ -118,7 +94,7 @@ class EncryptedBackend:
     def seal(self, name: str, parts: Iterable, into=None) -> memoryview:
         """The sealed bytes of a blob, in `into` (a buffer of the pool, given back by the caller
         once the inner write consumed them) or a new one."""
-        pieces, seg = _Pieces(parts), self.segment
+        pieces, seg = Pieces(parts), self.segment
         total = pieces.total
         nseg = max(1, -(-total // seg))
         size = HEADER + total + TAG * nseg
@@ -129,8 +105,8 @@ class EncryptedBackend:
         aead, aad = self.keys.blob_aead(salt), _aad(name)
         for i in range(nseg):
             lo, hi = i * seg, min(total, (i + 1) * seg)
-            at = _segment_at(i, seg)
-            aead.encrypt_into(_nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
+            at = segment_at(i, seg)
+            aead.encrypt_into(nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
                               out[at:at + hi - lo + TAG])
         return out
 
@@ -180,7 +156,7 @@ class EncryptedBackend:
             else:
                 dest = out[plain - skip:plain - skip + n] if inside else fresh(n)
                 try:
-                    aead.decrypt_into(_nonce(i, short), ct, aad, dest)
+                    aead.decrypt_into(nonce(i, short), ct, aad, dest)
                     marked_last = short
                 except invalid:
                     if short or not self._try_last(aead, aad, ct, i, dest):
@@ -207,7 +183,7 @@ class EncryptedBackend:
         opened = [_SEGMENTS.peek(sealing, i) for i in range(first, last + 1)]
         if any(o is None for o in opened) or (len(opened) == 2 and len(opened[0][0]) != seg):
             return False
-        pieces, lo = _Pieces(o[0] for o in opened), start - first * seg
+        pieces, lo = Pieces(o[0] for o in opened), start - first * seg
         if lo + length > pieces.total:
             return False
         copy_bytes(into[:length], pieces.span(lo, lo + length))
@@ -216,7 +192,7 @@ class EncryptedBackend:
     @staticmethod
     def _try_last(aead, aad, ct, i, out) -> bool:
         try:
-            aead.decrypt_into(_nonce(i, True), ct, aad, out)
+            aead.decrypt_into(nonce(i, True), ct, aad, out)
             return True
         except invalid_tag():
             return False
@@ -297,7 +273,7 @@ class EncryptedBackend:
             return b"" if buffer is None else buffer(1)[:0]
         seg = self.segment
         first, last = start // seg, (start + length - 1) // seg
-        cstart = _segment_at(first, seg)
+        cstart = segment_at(first, seg)
         clen = (last - first + 1) * (seg + TAG)
         sealing = self._salts.get(name)
         if sealing is not None and length <= seg and not _SEGMENTS.bypassing():
@@ -350,7 +326,7 @@ class EncryptedBackend:
         if plain_blob(staged.name):
             return self.inner.peek(staged, nbytes)
         segs = max(1, -(-nbytes // self.segment))
-        size, head = self.inner.peek(staged, _segment_at(segs, self.segment))
+        size, head = self.inner.peek(staged, segment_at(segs, self.segment))
         sealing = self._salt(staged.name, head)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
@@ -412,121 +388,6 @@ class EncryptedBackend:
 
     def lease_alive(self, name: str):
         return self.inner.lease_alive(name)
-
-
-class _Pieces:
-    """The parts of a write seen as one run of bytes, any range of which is one buffer: a view
-    where it lies inside one part, else gathered into the scratch buffer given (or a new one)."""
-
-    def __init__(self, parts: Iterable) -> None:
-        self.views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        self.starts = list(accumulate((len(v) for v in self.views), initial=0))
-        self.total = self.starts[-1]
-
-    def span(self, lo: int, hi: int, scratch=None) -> memoryview | bytes:
-        if hi <= lo:
-            return b""
-        i = bisect.bisect_right(self.starts, lo) - 1
-        off = lo - self.starts[i]
-        if off + hi - lo <= len(self.views[i]):
-            return self.views[i][off:off + hi - lo]
-        out = (memoryview(scratch) if scratch is not None and len(scratch) >= hi - lo else fresh(hi - lo))[:hi - lo]
-        filled = 0
-        while filled < hi - lo:
-            take = min(hi - lo - filled, len(self.views[i]) - off)
-            copy_bytes(out[filled:filled + take], self.views[i][off:off + take])
-            filled, i, off = filled + take, i + 1, 0
-        return out
-
-
-class SealedStream:
-    """A blob sealed as it is streamed (a pack written at offsets by a save's workers, named
-    only once complete: cas/packs.py PackStream), with the STREAM_MAGIC header. Writers give
-    plain bytes at plain offsets, from several threads at once; a segment a write covers whole
-    is sealed and written at its place straight away (no copy, unless it spans the write's
-    parts), and one shared with a neighbouring write is gathered until all its bytes are in.
-    The last segment, sealed as the last (possibly empty), is written at close, when the
-    blob's length is known. Plain bytes reach the inner file only sealed."""
-
-    def __init__(self, inner, aead, aad: bytes, salt: bytes, segment: int = SEGMENT) -> None:
-        self._inner, self._aead, self._aad, self._seg = inner, aead, aad, segment
-        self._lock = threading.Lock()
-        self._partial: dict[int, list] = {}  # segment -> [its plain bytes so far, how many]
-        self._end = 0  # plain bytes: the furthest any write reached
-        self._write(0, STREAM_MAGIC + salt)
-
-    def _write(self, at: int, data) -> None:
-        if self._inner.write_at(at, [data]) != len(data):
-            raise OSError("a sealed segment was written short")
-
-    def _seal(self, i: int, plain, last: bool, out) -> memoryview:
-        n = len(plain)
-        self._aead.encrypt_into(_nonce(i, last), plain, self._aad, out[:n + TAG])
-        return out[:n + TAG]
-
-    def _seal_one(self, i: int, plain, last: bool) -> None:
-        """Seal segment i alone and write it at its place."""
-        self._write(_segment_at(i, self._seg), self._seal(i, plain, last, fresh(len(plain) + TAG)))
-
-    def write_at(self, offset: int, parts: list) -> int:
-        pieces = _Pieces(parts)
-        total = pieces.total
-        if not total:
-            return 0
-        end, seg = offset + total, self._seg
-        whole_lo, whole_hi = -(-offset // seg), end // seg  # segments this write covers whole
-        if whole_hi > whole_lo:
-            buf = _POOL.take((whole_hi - whole_lo) * (seg + TAG))
-            try:
-                out = memoryview(buf)
-                for j, i in enumerate(range(whole_lo, whole_hi)):
-                    plain = pieces.span(i * seg - offset, (i + 1) * seg - offset)
-                    self._seal(i, plain, False, out[j * (seg + TAG):])
-                self._write(_segment_at(whole_lo, seg), out[:(whole_hi - whole_lo) * (seg + TAG)])
-            finally:
-                _POOL.give(buf)
-        for i in sorted({offset // seg, (end - 1) // seg} - set(range(whole_lo, whole_hi))):
-            lo, hi = max(offset, i * seg), min(end, (i + 1) * seg)
-            self._gather(i, lo - i * seg, pieces.span(lo - offset, hi - offset))
-        with self._lock:
-            self._end = max(self._end, end)
-        return total
-
-    def _gather(self, i: int, at: int, plain) -> None:
-        with self._lock:
-            slot = self._partial.get(i)
-            if slot is None:
-                slot = self._partial[i] = [fresh(self._seg), 0]
-            copy_bytes(slot[0][at:at + len(plain)], plain)
-            slot[1] += len(plain)
-            full = slot[1] == self._seg
-            if full:
-                del self._partial[i]
-        if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
-            self._seal_one(i, slot[0], False)
-
-    def writeback(self, offset: int, nbytes: int) -> None:
-        seg = self._seg
-        first, stop = offset // seg, (offset + nbytes) // seg
-        if stop > first:
-            self._inner.writeback(_segment_at(first, seg), (stop - first) * (seg + TAG))
-
-    def close(self, name: str, *, fsync: bool = True) -> Staged:
-        """Seal and write the last segment, then end the inner stream (a staged blob for `name`)."""
-        with self._lock:
-            last, pending = self._end // self._seg, dict(self._partial)
-            self._partial.clear()
-        n = self._end - last * self._seg
-        slot = pending.pop(last, None)
-        if pending or (n and (slot is None or slot[1] != n)):
-            self._inner.discard()
-            raise OSError(f"a sealed stream was closed with bytes of {len(pending) + (n > 0)} segment(s) never written")
-        plain = memoryview(slot[0])[:n] if slot is not None else b""
-        self._seal_one(last, plain, True)
-        return self._inner.close(name, fsync=fsync)
-
-    def discard(self) -> None:
-        self._inner.discard()
 
 
 class _OpenedSegments:
