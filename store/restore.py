@@ -17,7 +17,7 @@ from .lazytorch import torch
 from .reader import CheckpointReader
 from .registry import Checkpoint
 from .training import is_stateful
-from .tree import walk_value
+from .tree import path_join, walk_value
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ def restore(reader: CheckpointReader, targets: dict) -> dict:
             own_of[key] = own
     if modules:
         check_modules_fit(reader, {k: own for k, own in modules.items() if own})
+    check_optimizers_fit(reader, {k: t for k, t in targets.items() if isinstance(t, torch.optim.Optimizer)})
     into = split_targets(own_of)
     if not isinstance(top, dict):  # no targets (a dict of targets names top-level entries)
         return reader.materialize()
@@ -141,6 +142,34 @@ def check_modules_fit(reader: CheckpointReader, modules: dict) -> None:
                                                   ("of another shape", shapes)) if paths)
             raise StateMismatchError(f"{key!r} does not fit checkpoint step {reader.step} ({what}); nothing was "
                                      "restored")
+
+
+def check_optimizers_fit(reader: CheckpointReader, optimizers: dict) -> None:
+    """Refuse, before any byte is decoded into them, optimizer targets whose parameter groups
+    differ from the checkpoint's in number or size, as Optimizer.load_state_dict would: the
+    optimizer's state tensors are decoded into in place, so a refusal after the decode left
+    them overwritten with a state the optimizer never took (audit of stop 38)."""
+    for key, optimizer in optimizers.items():
+        prefix = f"{path_join('', key)}.param_groups."
+        sizes: dict[int, int] = {}
+        for leaf in reader.leaves([key]):
+            group, _, rest = leaf.path[len(prefix):].partition(".") if leaf.path.startswith(prefix) else ("", "", "")
+            if group.isdigit():
+                sizes.setdefault(int(group), 0)
+                if rest.startswith("params.") and not leaf.is_tensor:
+                    sizes[int(group)] += 1
+        theirs = [sizes.get(i, 0) for i in range(max(sizes) + 1)] if sizes else None
+        mine = [len(group["params"]) for group in optimizer.param_groups]
+        if theirs is None:
+            why = "it holds no param_groups: not an optimizer's state"
+        elif len(theirs) != len(mine):
+            why = f"loaded state dict has a different number of parameter groups ({len(theirs)}, the optimizer {len(mine)})"
+        elif theirs != mine:
+            why = f"parameters per group {theirs}, the optimizer's {mine}"
+        else:
+            continue
+        raise StateMismatchError(f"restore target {key!r} does not fit checkpoint step {reader.step}: {why}; "
+                                 "nothing was restored")
 
 
 def split_targets(own_of: dict) -> dict:

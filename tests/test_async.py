@@ -352,7 +352,7 @@ def test_a_lazy_module_is_restored_last_too(store):
     opt = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias]}], lr=0.1)
     store.save({"model": model, "opt": opt}, step=1)
     target = torch.nn.Sequential(torch.nn.LazyLinear(2))
-    with pytest.raises(cas.StateMismatchError, match="'opt' refused"):
+    with pytest.raises(cas.StateMismatchError, match="target 'opt' does not fit"):
         store.restore({"model": target, "opt": torch.optim.SGD(target.parameters(), lr=0.1)})
     assert torch.nn.parameter.is_lazy(target[0].weight)  # untouched: still uninitialized
 
@@ -429,3 +429,39 @@ def test_a_stateful_target_below_the_top_level_is_refused_not_left_as_it_was(sto
     with pytest.raises(TypeError, match="restore target 'nets.g' is a Linear below the top level"):
         store.restore({"nets": {"g": fresh}}, step=1)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("groups", ["fewer", "other sizes", "not an optimizer"])
+def test_an_optimizer_that_would_refuse_its_state_is_refused_before_anything_is_decoded(store, groups):
+    """restore decodes an optimizer's state into its own tensors before load_state_dict takes
+    it: an optimizer that then refused the state (other parameter groups) was left holding the
+    checkpoint's moments under its own (audit of stop 38). It is refused first, and every
+    target (the optimizer's moments, a module, a scheduler) keeps its state."""
+    def trained(model, opt):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        return opt
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = trained(model, torch.optim.Adam([{"params": list(model[0].parameters())},
+                                           {"params": list(model[1].parameters())}], lr=0.1))
+    stepped = torch.optim.lr_scheduler.StepLR(opt, 5)
+    for _ in range(3):
+        stepped.step()
+    saved = {"model": model, "opt": opt, "other": {"lr": 0.1}, "sched": stepped}
+    store.save(saved, step=1)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params = list(target.parameters())
+    if groups == "fewer":
+        mine = torch.optim.Adam(params, lr=0.1)
+    else:
+        mine = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+    trained(target, mine)
+    sched = torch.optim.lr_scheduler.StepLR(mine, 5)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in mine.state.values()]
+    key = "other" if groups == "not an optimizer" else "opt"
+    with pytest.raises(cas.StateMismatchError, match="parameter groups|parameters per group|no param_groups"):
+        store.restore({"model": target, key: mine, "sched": sched})
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(mine.state.values(), moments))
+    assert sched.state_dict()["last_epoch"] == 0 and sched.state_dict()["_step_count"] == 1
