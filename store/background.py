@@ -2,12 +2,16 @@
 at most `max_inflight` at once, each from a host-memory snapshot taken at the call.
 
 A failure is the caller's through the save's future; one that nobody looked at is raised by
-the store's next call (save, wait or close) instead of being lost.
+the store's next call (save, wait or close) instead of being lost, and one that no call could
+see any more (the script ended with the save in flight) is printed to stderr as Python exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import sys
+import weakref
 from typing import Callable
 
 from cas import faults
@@ -50,11 +54,14 @@ class SaveFuture(concurrent.futures.Future):
 class BackgroundSaves:
     """The store's background save thread, its futures and its reused snapshot buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str = "") -> None:
         self._executor = Pool(max_workers=1, thread_name_prefix="cas-async")
         self._inflight: list[SaveFuture] = []
+        self._steps_of: dict[SaveFuture, int] = {}
         self.steps: set[int] = set()  # steps of saves not finished yet
         self._arenas: list[StagingArena] = []
+        self.where = where  # the store, for the report at exit
+        _LIVE.add(self)
 
     def make_room(self, max_inflight: int) -> None:
         """Wait until fewer than `max_inflight` saves are in flight; raise unobserved failures."""
@@ -70,6 +77,7 @@ class BackgroundSaves:
         faults.point("save.staged")
         future = SaveFuture()
         self._inflight.append(future)
+        self._steps_of[future] = step
         self.steps.add(step)
 
         def run() -> None:
@@ -102,6 +110,7 @@ class BackgroundSaves:
         failures = []
         for future in [f for f in self._inflight if f.done()]:
             self._inflight.remove(future)
+            self._steps_of.pop(future, None)
             if future.unobserved_exception() is not None:
                 failures.append(future.exception())
         if failures:
@@ -113,4 +122,26 @@ class BackgroundSaves:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
         self._arenas.clear()
+
+    def report_unobserved(self) -> None:
+        """Print the failures nobody looked at (at exit: no call of the store can raise them)."""
+        for future in list(self._inflight):
+            failure = future.unobserved_exception()
+            if failure is not None:
+                step = self._steps_of.get(future)
+                print(f"cas: the background save of step {step}{' into ' + self.where if self.where else ''} "
+                      f"failed after the script's last call to the store, and that checkpoint was not saved: "
+                      f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+
+
+_LIVE: "weakref.WeakSet[BackgroundSaves]" = weakref.WeakSet()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    """atexit handlers run after Python joined the pools' threads, so every save of a script
+    that ended with saves in flight is done by now; a failure among them was reported nowhere
+    (exit code 0, no word)."""
+    for saves in list(_LIVE):
+        saves.report_unobserved()
 

@@ -121,7 +121,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         # bucket's reads wait on the network instead, so there the pool keeps twice the threads.
         readers = self._workers if where.local else 2 * self._workers
         self._read_pool = Pool(max_workers=readers, thread_name_prefix="cas-read")
-        self._background = BackgroundSaves()
+        self._background = BackgroundSaves(self.path)
         self.max_inflight = opts.max_inflight
         self.delta = opts.delta
         self.max_chain = opts.chain_limit()

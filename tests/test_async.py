@@ -378,6 +378,23 @@ def test_a_script_that_ends_after_save_async_without_close_still_commits_the_sav
         assert torch.equal(store.load(1)["w"], torch.arange(3_000_000, dtype=torch.float32))
 
 
+def test_a_save_async_that_fails_as_the_script_ends_is_reported(tmp_path):
+    """A save_async still in flight as the script ended, which then failed (a full disk), was
+    reported nowhere: no call of the store was left to raise it (audit of stop 38)."""
+    script = textwrap.dedent(f"""
+        import torch, cas
+        store = cas.open({str(tmp_path / "s")!r})
+        store.save({{"w": torch.zeros(10)}}, step=0)
+        store.save_async({{"w": torch.arange(3_000_000, dtype=torch.float32)}}, step=1)
+    """)
+    env = {**os.environ, "CAS_FAULTS": "save.hashed=enospc@2"}  # the first hashing is step 0's
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert "cas: the background save of step 1 into" in result.stderr and "not saved" in result.stderr, result.stderr
+    assert "No space left on device" in result.stderr
+    with cas.open(tmp_path / "s") as store:
+        assert [ck.step for ck in store.checkpoints()] == [0]
+
+
 def test_a_failure_after_a_timed_out_poll_of_its_future_is_still_raised(tmp_path, injected):
     """result(timeout=...) before the save was done marked the future seen, so its later failure
     was raised by nobody: not wait(), not the next save, not close() (audit of stop 38)."""
