@@ -351,9 +351,30 @@ def new_key_id() -> str:
     return secrets.token_hex(8)
 
 
+class MasterKey:
+    """An open store's master key, offered to another store made with the same one: a copy
+    that push or pull made names objects as its source does, whatever user keys either holds by
+    now (`cas key add/remove` on one of them left the other's keys/ without the key that opens
+    the first). It opens a store whose config's check it matches, and nothing else; it is never
+    written. (Whoever holds it can read that store anyway: its master key decrypts it.)"""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: StoreKeys) -> None:
+        self._keys = keys
+
+    def __repr__(self) -> str:
+        return "MasterKey(...)"
+
+
 def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKeys:
     """The StoreKeys the user key unlocks: KeyRequiredError without one, WrongKeyError when no
-    keys/ blob of the store opens with it (a wrong key, or a removed one)."""
+    keys/ blob of the store opens with it (a wrong key, or a removed one). A MasterKey opens
+    the store when the config's check is its."""
+    if isinstance(key, MasterKey):
+        if secrets.compare_digest(key._keys.check, bytes(encryption["check"])):
+            return StoreKeys(key._keys.master, "", key._keys.user)
+        raise WrongKeyError(f"the encrypted store at {where} was made with another master key")
     if key is None:
         raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...), "
                                "or a file named by $CAS_KEY_FILE)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from cas.crypt import MasterKey
 from cas.errors import CasError, KeyRequiredError, NotAStoreError, NotEncryptedError, WrongKeyError
 
 from .store import CheckpointStore
@@ -70,7 +71,12 @@ def open_other(path: str | os.PathLike, like: CheckpointStore | None, **options)
     keys) are refused here, before anything is copied."""
     key = copy_key(like)
     try:
-        return open_path(path, key=key, **options)
+        try:
+            return open_path(path, key=key, **options)
+        except WrongKeyError:  # its user keys changed since the copy: the master key both share opens it
+            if like is None or like.location.keys is None:
+                raise
+            return open_path(path, key=MasterKey(like.location.keys), **options)
     except (KeyRequiredError, NotEncryptedError, WrongKeyError) as exc:
         raise CasError(f"cannot copy checkpoints between {like.path if like is not None else 'this store'} and "
                        f"{os.fspath(path)}: {exc}. {CROSS_KEY}") from None

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from cas.codecs import checked_level
-from cas.crypt import user_key
+from cas.crypt import MasterKey, user_key
 from cas.errors import CasError
 from cas.objectstore import DEFAULT_PACK_MAX, MAX_CHAIN_DECODE
 
@@ -87,7 +87,7 @@ class StoreOptions:
         checked_level(self.compression_level)
         if self.chunk_size is not None:
             check_chunk_size(self.chunk_size)  # refused before a store is made with it (0 or False too)
-        if self.key is not None:
+        if self.key is not None and not isinstance(self.key, MasterKey):
             user_key(self.key)  # refused now, not at the open
         if self.signing_key is not None:
             object.__setattr__(self, "signing_key", signing.private_key(self.signing_key))  # refused now, not at a save

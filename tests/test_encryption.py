@@ -661,6 +661,36 @@ def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(
     assert found_marks(folder_bytes(tmp_path / "copy")) == set()
 
 
+def test_copies_between_stores_of_one_master_key_go_on_after_either_changes_its_keys(tmp_path):
+    """A push made "copy" with the source's master key; then `cas key add/remove` on the copy
+    left it without the source's key, and every push and pull between the two was refused as
+    across keys (copies opened the other store with the user key; audit of stop 38). The master
+    key both share opens it; a store of another master key is still refused."""
+    with cas.open(tmp_path / "src", key="k") as src:
+        src.save({"w": torch.randn(100)}, step=1)
+        src.push(tmp_path / "copy")
+    with cas.open(tmp_path / "copy", key="k") as copy:
+        old = copy.key_id
+        copy.add_key("k2")
+    with cas.open(tmp_path / "copy", key="k2") as copy:
+        copy.remove_key(old)
+    with pytest.raises(cas.WrongKeyError):
+        cas.open(tmp_path / "copy", key="k")
+    with cas.open(tmp_path / "src", key="k") as src:
+        src.save({"w": torch.randn(100)}, step=2)
+        assert [ck.step for ck in src.push(tmp_path / "copy").copied] == [2]
+        with cas.open(tmp_path / "other", key="k2") as other:  # k2 opens it, but its master key is its own
+            other.save({"w": torch.randn(100)}, step=7)
+        with pytest.raises(CasError, match="cannot copy|another master key"):
+            src.pull(tmp_path / "other")
+    with cas.open(tmp_path / "copy", key="k2") as copy:
+        assert [ck.step for ck in copy.checkpoints()] == [1, 2] and copy.verify().ok
+        copy.save({"w": torch.randn(100)}, step=3)
+        assert [ck.step for ck in copy.push(tmp_path / "src").copied] == [3]
+    with cas.open(tmp_path / "src", key="k") as src:
+        assert [ck.step for ck in src.checkpoints()] == [1, 2, 3] and src.verify().ok
+
+
 def test_a_mirror_of_an_encrypted_store_is_encrypted_alike(tmp_path):
     with cas.open(tmp_path / "src", key="k", mirror=tmp_path / "mirror") as src:
         src.save({"w": torch.randn(500), "note": MARK_VALUE}, step=1)
