@@ -90,3 +90,40 @@ def test_mirror_to_a_bucket_whose_server_is_down_and_comes_back(tmp_path, monkey
                     same_checkpoints(store, m, [3])
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_a_failed_pull_or_import_into_a_new_store_leaves_no_store(s3_env, s3_bucket, s3_prefix, tmp_path, where):
+    """A pull whose copy failed (a damaged source) or an import of a truncated file into a store
+    that was not there left an empty store behind; in a bucket even a refused import did (the
+    clean-up knew folders only; audit of stop 38)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from cas.store.location import locate
+
+    source = tmp_path / "src"
+    with cas.open(source, chunk_size=64 << 10, compress=False) as store:
+        store.save({"w": torch.randn(200_000)}, step=1)
+    (pack,) = [os.path.join(d, n) for d, _, names in os.walk(source / "packs") for n in names]
+    with open(pack, "r+b") as f:
+        f.seek(os.path.getsize(pack) // 2)
+        f.write(b"\xff" * 64)
+    dest = f"s3://{s3_bucket}/{s3_prefix}/new" if where == "bucket" else str(tmp_path / "new")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"w\": ")  # a header cut short
+
+    def run(*args):
+        env = {k: v for k, v in os.environ.items() if k != "CAS_STORE"}
+        return subprocess.run([sys.executable, "-m", "cas.cli", "--store", dest, *map(str, args)],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    for args in (("pull", source), ("import", bad)):
+        out = run(*args)
+        assert out.returncode != 0, out.stdout
+        where_ = locate(dest)
+        assert not where_.has_config(), (args, out.stderr)
+        assert (where_.backend.list("") == [] if where == "bucket" else not os.path.exists(dest)), (args, out.stderr)

@@ -122,18 +122,38 @@ def run_on_store(fn, store_cls, path: str, args) -> int:
             code = fn(store, args)
     finally:
         if created and code != EXIT_OK:
-            with store_cls(path, create=False, key=key) as store:
-                empty = not store.checkpoints()
-            if empty:
-                _remove_new_store(path, remove_folder=not existed)
+            remove_if_new_and_empty(store_cls, path, key, existed=existed)
     return code
+
+
+def remove_if_new_and_empty(store_cls, path: str, key, *, existed: bool) -> None:
+    """After a command that created the store at `path` failed: remove it if it holds no
+    checkpoint (a store someone saved into meanwhile stays)."""
+    with store_cls(path, create=False, key=key) as store:
+        empty = not store.checkpoints()
+    if empty:
+        _remove_new_store(path, remove_folder=not existed)
+
+
+# a bucket store's blobs: the first part of each name (docs/format.md, "In a bucket")
+BUCKET_FOLDERS = ("objects", "packs", "log", "snapshots", "leases", "quarantine", "keys", "removing-keys")
 
 
 def _remove_new_store(path: str, *, remove_folder: bool) -> None:
     """Remove a store this command created and left empty: only its own layout, never a file
-    the user put there; the folder itself only if this command made it and it is empty."""
+    the user put there; the folder itself only if this command made it and it is empty. In a
+    bucket, the blobs of its layout, the config last (a refused import or pull into a new
+    bucket store left it there)."""
     from cas.store.layout import CONFIG_NAME, CREATE_LOCK, KEYS_FOLDER, LAYOUT_FOLDERS
+    from cas.store.location import locate
 
+    where = locate(path)
+    if not where.local:
+        for folder in BUCKET_FOLDERS:
+            for name in where.backend.list(folder + "/"):
+                where.backend.delete(name)
+        where.backend.delete(CONFIG_NAME)
+        return
     for name in (CONFIG_NAME, CREATE_LOCK, *LAYOUT_FOLDERS, KEYS_FOLDER):
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from cas.progress import progress_for
 
-from .base import EXIT_OK, command, emit_json, human, parse_step
+from .base import EXIT_OK, command, emit_json, human, parse_step, remove_if_new_and_empty
 
 
 def _add_transfer(other: str, what: str):
@@ -37,16 +37,25 @@ def cmd_pull(path: str, args) -> int:
     chunk size and master key, as a push makes its destination (made with defaults, it was
     encrypted under $CAS_KEY_FILE's own new master key, which no copy could share, and saves
     resumed from it did not dedup against what it copied), and a refused copy makes none."""
+    import os
+
     from cas.api import Store
     from cas.store.location import locate
+    from cas.store.opening import copy_key
 
     with progress_for(args) as progress:
         if locate(path).has_config():
             with Store(path, create=False) as store:
                 report = store.pull(args.src, args.steps or None, progress=progress)
         else:
+            existed = os.path.lexists(path)
             with Store(args.src, create=False, readonly=True) as source:
-                report = source.push(path, args.steps or None, progress=progress)
+                try:
+                    report = source.push(path, args.steps or None, progress=progress)
+                except BaseException:  # a store the push made and left empty is removed, bucket or folder
+                    if locate(path).has_config():
+                        remove_if_new_and_empty(Store, path, copy_key(source), existed=existed)
+                    raise
     return _print(report, "pulled", args)
 
 
