@@ -120,18 +120,21 @@ class EncryptedBackend:
         return CorruptionError(f"{name} fails its authentication check ({why}: damaged or tampered ciphertext)",
                                key=_key_of(name))
 
-    def _salt(self, name: str, head) -> tuple[bytes, bytes]:
-        """(salt, associated data) of a blob, from its header."""
+    def _salt(self, name: str, head) -> tuple:
+        """(salt, associated data, key check) of a blob, from its header."""
         magic = bytes(head[:len(BLOB_MAGIC)]) if len(head) >= HEADER else b""
         if magic not in (BLOB_MAGIC, STREAM_MAGIC):
             raise self._damaged(name, "no encrypted blob header")
-        sealing = bytes(head[len(BLOB_MAGIC):HEADER]), _aad(name) if magic == BLOB_MAGIC else _stream_aad(name)
+        # (salt, associated data, the master key's check): the last keeps another store's segments,
+        # opened under its key, from answering for this one in the thread's segment cache
+        sealing = (bytes(head[len(BLOB_MAGIC):HEADER]), _aad(name) if magic == BLOB_MAGIC else _stream_aad(name),
+                   self.keys.check)
         if len(self._salts) > 4096:
             self._salts.clear()
         self._salts[name] = sealing
         return sealing
 
-    def _open_segments(self, name: str, sealing: tuple[bytes, bytes], body, first: int, out, *, whole: bool,
+    def _open_segments(self, name: str, sealing: tuple, body, first: int, out, *, whole: bool,
                        skip: int = 0) -> int:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
@@ -139,7 +142,7 @@ class EncryptedBackend:
         this thread's cache of recent segments (or found there: small objects read one after
         another from a pack share them). With `whole`, body runs to the blob's end, whose last
         segment must say it is the last."""
-        (salt, aad), invalid, seg = sealing, invalid_tag(), self.segment
+        (salt, aad, _), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
         pos, plain, i = 0, 0, first
@@ -173,7 +176,7 @@ class EncryptedBackend:
             pos, plain, i = pos + len(ct), plain + n, i + 1
         return plain
 
-    def _cached_range(self, sealing: tuple[bytes, bytes], start: int, length: int, into) -> bool:
+    def _cached_range(self, sealing: tuple, start: int, length: int, into) -> bool:
         """Fill `into` with plain bytes [start, start + length) from this thread's opened
         segments, with no read, when they hold all of it (a small object next to one just read)."""
         seg = self.segment
@@ -423,11 +426,11 @@ class _OpenedSegments:
     def bypassing(self) -> bool:
         return self._bypassed > 0
 
-    def peek(self, sealing: tuple[bytes, bytes], i: int) -> tuple | None:
+    def peek(self, sealing: tuple, i: int) -> tuple | None:
         """(plain bytes, marked last) of segment i, if this thread opened it lately."""
         return None if self._bypassed else self._table().get((sealing, i))
 
-    def get(self, sealing: tuple[bytes, bytes], i: int, n: int, short: bool) -> tuple | None:
+    def get(self, sealing: tuple, i: int, n: int, short: bool) -> tuple | None:
         """The segment as `peek` has it, if it fits this read: n bytes, and opened with the
         nonce this read would use (a short one as the last; a whole one as either)."""
         opened = self.peek(sealing, i)
@@ -435,7 +438,7 @@ class _OpenedSegments:
             return None
         return opened
 
-    def put(self, sealing: tuple[bytes, bytes], i: int, plain, marked_last: bool) -> tuple:
+    def put(self, sealing: tuple, i: int, plain, marked_last: bool) -> tuple:
         table = self._table()
         table[(sealing, i)] = entry = (plain, marked_last)
         while len(table) > 2 and sum(len(p) for p, _ in table.values()) > self.KEEP_BYTES:

@@ -170,13 +170,14 @@ class StoreKeys:
         object.__setattr__(self, "namer", Namer(_hkdf(self.master, b"cas names v1")))
         object.__setattr__(self, "registry_mac", Namer(_hkdf(self.master, b"cas registry v1")).key)  # bytes -> 32
         object.__setattr__(self, "_aeads", {})  # salt -> its cipher (blob_aead)
+        object.__setattr__(self, "_check", check_of(self.master))
 
     def __repr__(self) -> str:
         return f"StoreKeys(key_id={self.key_id!r})"
 
     @property
     def check(self) -> bytes:
-        return check_of(self.master)
+        return self._check
 
     def blob_aead(self, salt: bytes):
         """The cipher of a blob's salt; kept (a bounded few), since every entry read from one

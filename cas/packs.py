@@ -211,7 +211,12 @@ class PackFiles(Fanout):
         Stops at the first entry that runs past the end of a truncated pack, or whose bytes do
         not start as an object does (a damaged header, or the footer reached where the trailer
         that says where it starts is damaged)."""
-        data = self.backend.get(self.name(pack))
+        name = self.name(pack)
+        try:
+            data = self.backend.get(name)
+        except CorruptionError:  # a sealed pack with a damaged segment: what lies before it is sound
+            yield from self._entries_by_range(pack, name)
+            return
         if data[:len(PACK_MAGIC)] not in (PACK_MAGIC, PACK_MAGIC_V1):
             raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
         offset = len(PACK_MAGIC)
@@ -220,6 +225,31 @@ class PackFiles(Fanout):
             key, length = _ENTRY.unpack_from(data, offset)
             offset += _ENTRY.size
             if offset + length > size or data[offset:offset + len(OBJECT_MAGIC)] != OBJECT_MAGIC:
+                return
+            yield key, offset, length
+            offset += length
+
+    def _entries_by_range(self, pack: bytes, name: str) -> Iterator[tuple[bytes, int, int]]:
+        """entries() of a pack that cannot be read whole (an encrypted pack one segment of
+        which fails its check): each entry's header read on its own, up to the first read that
+        fails. A damaged last segment (the footer's) dropped every entry of the pack at repair;
+        only those the damaged segment covers are lost now (audit of stop 39)."""
+        size = self.backend.stat(name) or 0
+        try:
+            magic = bytes(self.backend.get(name, 0, len(PACK_MAGIC)))
+        except CorruptionError:
+            return
+        if magic not in (PACK_MAGIC, PACK_MAGIC_V1):
+            raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
+        offset = len(PACK_MAGIC)
+        while offset + _ENTRY.size + len(OBJECT_MAGIC) <= size:
+            try:
+                head = self.backend.get(name, offset, _ENTRY.size + len(OBJECT_MAGIC))
+            except CorruptionError:
+                return
+            key, length = _ENTRY.unpack_from(head, 0)
+            offset += _ENTRY.size
+            if offset + length > size or bytes(head[_ENTRY.size:]) != OBJECT_MAGIC:
                 return
             yield key, offset, length
             offset += length

@@ -872,6 +872,68 @@ def test_repair_of_an_encrypted_pack_drops_only_the_entries_a_damaged_segment_co
         assert store.verify().damaged_steps == [1]
 
 
+def test_repair_of_an_encrypted_pack_whose_last_segment_is_damaged_keeps_the_entries_before_it(tmp_path, cli):
+    """The footer lies in a pack's last segment: with that segment damaged, repair walked the
+    pack from a whole read, which fails at the damaged segment, and dropped every entry of it
+    (audit of stop 39). It walks entry by entry now, up to the damage."""
+    path, key_file = tmp_path / "s", tmp_path / "k"
+    key_file.write_text("k")
+    import threading
+
+    tensors = {f"t{i}": torch.frombuffer(bytearray(os.urandom(700_000)), dtype=torch.uint8).clone() for i in range(8)}
+    keys: list = []
+
+    def save() -> None:
+        with cas.open(path, key="k", compress=False, chunk_size=64 << 10) as store:
+            store.save(tensors, step=1)
+            keys.extend(k for t in store.tensors(1) for k in t["chunks"])
+
+    def in_a_new_thread(fn) -> None:  # each thread keeps the segments it opened: repair must read the disk
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join()
+    in_a_new_thread(save)
+    (pack,) = [os.path.join(d, name) for d, _, names in os.walk(path / "packs") for name in names]
+    data = bytearray(open(pack, "rb").read())
+    data[-1] ^= 1  # the trailer: in the last segment
+    open(pack, "wb").write(bytes(data))
+    assert cli("--store", path, "repair", key_file=key_file).returncode == 0
+    found = []
+
+    def check() -> None:
+        with cas.open(path, key="k") as store:
+            found.append([k for k in keys if store.objects.record(k) is not None])
+            found.append(bytes(store.objects.get(keys[0])))  # verified on read
+    in_a_new_thread(check)
+    kept, first = found
+    assert len(keys) - crypt.SEGMENT // (64 << 10) - 1 <= len(kept) < len(keys)
+    assert first == bytes(tensors["t0"][:64 << 10].numpy())
+
+
+def test_a_pack_sealed_under_another_master_key_never_opens_from_the_segment_cache(tmp_path):
+    """Each thread keeps the segments it opened lately, keyed by salt and associated data, which
+    a streamed pack shares with its copy in another store: a copy of store A's pack put in store
+    B opened there from the cache, under no check of B's key (audit of stop 39)."""
+    import shutil
+
+    from cas.localfs import LocalBackend
+
+    def backend(folder):
+        os.makedirs(folder / "tmp")
+        return crypt.EncryptedBackend(LocalBackend(str(folder)),
+                                      crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY)))
+    a, b = backend(tmp_path / "a"), backend(tmp_path / "b")
+    name = "packs/ab/" + "ab" * 32
+    stream = a.stream("packs/x")
+    stream.write_at(0, [MARK_TENSOR * (3 * crypt.SEGMENT // len(MARK_TENSOR))])
+    a.publish(stream.close(name))
+    assert a.get(name, 100, 20) == (MARK_TENSOR * 10)[100 % len(MARK_TENSOR):][:20]  # opened, cached
+    os.makedirs(os.path.dirname(b.inner.path(name)))
+    shutil.copy(a.inner.path(name), b.inner.path(name))
+    with pytest.raises(CorruptionError, match="authentication"):
+        b.get(name, 100, 20)
+
+
 def test_verify_reads_what_is_on_disk_not_what_this_process_decrypted_before(tmp_path):
     """Each thread keeps the plain bytes of the segments it opened lately (a pack's small
     objects read one after another). A verify after the pack was damaged on disk found them
