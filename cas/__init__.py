@@ -20,6 +20,7 @@ from .errors import (CasError, CheckpointExistsError, CheckpointNotFoundError, C
                      KeyRemovalRefusedError, KeyRequiredError,
                      MissingObjectError, NotAStoreError, NotEncryptedError, ObjectStoreError, ReadOnlyStoreError,
                      RetentionRefusedError, StateMismatchError, StoreClosedError, StoreKeyError, StoreWriteError,
+                     IndexReplacedError,
                      UnresumableStateError, UnsupportedFilesystemError, WrongKeyError)
 
 __version__ = "0.1.0"
@@ -71,7 +72,7 @@ def open(path: str | os.PathLike, **options):  # noqa: A001 - mirrors the builti
 
 __all__ = ["RNGState", "ResumableRandomSampler", "Checkpoint", "CheckpointReader", "StoreOptions", "GcReport", "Retention", "Store", "StoreStats", "VerifyReport", "CasError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptionError",
            "FormatVersionError", "MissingObjectError", "NotAStoreError", "ReadOnlyStoreError",
-           "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError",
+           "RetentionRefusedError", "StateMismatchError", "StoreClosedError", "StoreWriteError", "IndexReplacedError",
            "UnresumableStateError", "UnsupportedFilesystemError", "DistributedCheckpointError", "ObjectStoreError",
            "StoreKeyError", "KeyRequiredError", "WrongKeyError", "NotEncryptedError", "KeyRemovalRefusedError",
            "KeyFileError", "DuplicateKeyError", "IndexDamagedError", "open"]

@@ -49,6 +49,12 @@ class StoreWriteError(CasError):
     """Writing to the store failed (a full disk, say); nothing of that save was committed."""
 
 
+class IndexReplacedError(StoreWriteError):
+    """The index files were deleted or replaced while this process had them open: a change
+    made in them would reach no other process, so nothing of it was committed; the store's
+    next operation opens the index at the path again."""
+
+
 class UnsupportedFilesystemError(StoreWriteError):
     """The store's filesystem cannot publish a file without possibly replacing another writer's
     (neither renameat2 RENAME_NOREPLACE nor hard links): writes are refused rather than raced."""

@@ -37,7 +37,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from .errors import CasError, IndexDamagedError, ReadOnlyStoreError, StoreWriteError
+from .errors import CasError, IndexDamagedError, IndexReplacedError, ReadOnlyStoreError, StoreWriteError
 from .hashing import KEY_SIZE
 
 WHERE_FILE = 0  # objects/ab/<key>
@@ -373,6 +373,16 @@ class Index:
         open (deleted, or another copy put in their place, while this process ran): its changes
         then reach no other process, and the cache at the path is another one."""
         return self._entry[4] is None and self._entry[5] != file_identity(self.path)
+
+    def refuse_if_orphaned(self, what: str) -> None:
+        """IndexReplacedError when this environment is orphaned (see orphaned): records written
+        here reach no one, and deletions decided on them can remove what the index at the path
+        (rebuilt from the store) needs: a recode committed here, then compacted away elsewhere,
+        lost committed checkpoints in the soak."""
+        if self.orphaned():
+            raise IndexReplacedError(f"the index of the store at {os.path.dirname(self.path)} was deleted or replaced "
+                                     f"while this process had it open; {what} (the store's next operation opens "
+                                     "the index again)")
 
     def reader_check(self) -> int:
         """Free dead processes' reader slots (see reader_check); gc calls it as it starts repacking."""

@@ -530,6 +530,7 @@ class WriteSession(Moves):
         faults.point("commit.synced")
         replacements = {FileObjects.key_of(staged): staged for staged in taken}
         with self.index.write() as txn:
+            self.index.refuse_if_orphaned("nothing of this change was committed")
             settled = []
             by_key: dict[bytes, ObjectRecord] = {}  # what this commit indexes, as it goes
             bases: set[bytes] = set()  # the delta bases of those

@@ -423,6 +423,8 @@ def _remove_superseded_files(store, report: GcReport, keys) -> None:
     transaction, so no writer is mid-way through settling one of them."""
     index, files = store.index, store.objects.files
     with index.write() as txn:
+        if why_wait(store, txn):
+            return
         held = index.held_keys(txn)
         for key in keys:
             rec = index.record(txn, key)
@@ -556,7 +558,7 @@ def _rewrite_pack(store, pack: bytes, keys: list[bytes], report: GcReport) -> No
             report.deferred = f"a pack rewrite ran out of space ({exc}); a later gc retries it"
             return
     with index.write() as txn:
-        if any((rec := index.record(txn, k)) is not None and rec.pack == pack for k in keys):
+        if why_wait(store, txn) or any((rec := index.record(txn, k)) is not None and rec.pack == pack for k in keys):
             return
         size = objects.packs.size(pack)
         if size is None:

@@ -17,7 +17,11 @@ def why_wait(store, txn) -> str | None:
     """Why no object may be deleted now, if something forbids it: a live barrier lease (a
     distributed save whose ranks reuse objects without recording holds), or a live writer this
     cache does not know (its holds are in another cache: an index deleted or replaced under a
-    running process), whose objects it cannot account for."""
+    running process), whose objects it cannot account for; or this process's index is no longer
+    the one at the path (deleted or replaced while it ran), so its records are not the store's."""
+    if store.index.orphaned():
+        return ("the index was deleted or replaced while this process had it open; nothing is deleted on its "
+                "records (the next gc opens the index again)")
     barrier = barrier_in_progress(store.index, txn)
     if barrier:
         return f"a writer that cannot hold objects one by one is in progress ({barrier}); the sweep waits for it"

@@ -469,7 +469,10 @@ def _relink_one(objects, session, p: Pair, rec) -> bool:
 
 def _remove_superseded(objects, keys) -> None:
     """Remove the files of objects whose records now place them in a pack (readers that looked
-    a file up before the move look again when it is gone: ObjectStore.fetch)."""
+    a file up before the move look again when it is gone: ObjectStore.fetch). Not on an index
+    deleted or replaced meanwhile: the records that say so may be in it alone."""
+    if objects.index.orphaned():
+        return
     removed = False
     for key in keys:
         rec = objects.record(key)

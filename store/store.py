@@ -14,8 +14,8 @@ from typing import Callable
 
 from cas import crypt, faults
 from cas.codecs import CodecPolicy
-from cas.errors import (CasError, CheckpointNotFoundError, NotAStoreError, ReadOnlyStoreError, StoreClosedError,
-                        StoreWriteError)
+from cas.errors import (CasError, CheckpointNotFoundError, IndexReplacedError, NotAStoreError, ReadOnlyStoreError,
+                        StoreClosedError, StoreWriteError)
 from cas.objectfiles import FileObjects
 from cas.objectstore import ObjectStore
 from cas.packs import PackFiles
@@ -282,7 +282,11 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         """Write and commit a planned save; a failed file write (OSError) or index transaction
         (the index's StoreWriteError) is a StoreWriteError naming the step."""
         try:
-            return self._write_objects(job)
+            try:
+                return self._write_objects(job)
+            except IndexReplacedError:  # deleted under the save, which committed nothing: open it again, once
+                self._reopen_if_orphaned()
+                return self._write_objects(job)
         except (OSError, StoreWriteError) as exc:
             kind = type(exc) if isinstance(exc, StoreWriteError) else StoreWriteError  # keep what it says
             raise kind(f"saving step {job.step} into {self.path} failed, nothing was committed: "

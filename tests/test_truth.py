@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 import torch
@@ -932,3 +933,72 @@ def test_the_cache_lost_at_any_phase_of_a_gc_loses_nothing(tmp_path, point, loss
         store.gc()
         assert_exactly_reachable(store)
         assert store.verify().ok
+
+
+def test_a_recode_over_an_index_deleted_under_it_commits_nothing_and_loses_nothing(tmp_path):
+    """Found by the soak with index deletions: a recode (reverse deltas) whose index files were
+    deleted while it ran committed its moves into the orphaned index and removed the whole
+    copies' files; the index at the path, rebuilt from the store, never learned of the
+    recode's new pack, and the compaction after the next save deleted it as a pack no record
+    points to: committed checkpoints lost their chunks. A commit on an orphaned index is now
+    refused, and nothing is deleted on its records."""
+    from cas import faults
+
+    path, gate = tmp_path / "s", tmp_path / "gate"
+    opts = dict(chunk_size=64 << 10, pack_max=16 << 10)  # chunks as object files, as in the soak
+    w1 = torch.randn(64, 1024)
+    w2 = w1 + 1e-4 * torch.randn_like(w1)
+    w3 = w2 + 1e-4 * torch.randn_like(w1)
+    faults.configure(f"recode.encoded=pause:{gate}@1")
+    try:
+        store = cas.open(path, delta=True, **opts)
+        store.save({"w": w1}, step=1)
+        store.save({"w": w2}, step=2)  # the recode of step 1 against it waits at the gate
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{gate}.reached"):
+            assert time.monotonic() < deadline, "the recode never reached its fault point"
+            time.sleep(0.02)
+        for name in ("data.mdb", "lock.mdb"):
+            os.unlink(path / "index" / name)
+        with cas.open(path, delta=True, **opts) as other:  # a new index at the path, rebuilt from the store
+            other.save({"w": w3}, step=3)
+        gate.touch()
+        store.wait_recoding()
+        store.close()
+    finally:
+        faults.configure("")
+    with cas.open(path, delta=True, **opts) as other:
+        other.gc()  # compacts what no record points to
+        for step, w in ((1, w1), (2, w2), (3, w3)):
+            assert torch.equal(other.load(step)["w"], w)
+        assert other.verify().ok
+
+
+def test_a_save_whose_index_is_deleted_under_it_opens_the_index_again_and_commits(tmp_path):
+    """A save's commit into an index deleted while it ran is refused (its records would reach
+    nobody); the save opens the index at the path again and saves once more, so the caller
+    sees a committed checkpoint, which every open of the store finds."""
+    from cas import faults
+
+    path, gate = tmp_path / "s", tmp_path / "gate"
+    store = cas.open(path)
+    store.save({"w": torch.zeros(1000)}, step=1)
+    faults.configure(f"save.chunks_written=pause:{gate}@1")
+    try:
+        future = store.save_async({"w": torch.ones(1000)}, step=2)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{gate}.reached"):
+            assert time.monotonic() < deadline, "the save never reached its fault point"
+            time.sleep(0.02)
+        for name in ("data.mdb", "lock.mdb"):
+            os.unlink(path / "index" / name)
+        with cas.open(path) as other:  # a new index at the path
+            assert [ck.step for ck in other.checkpoints()] == [1]
+        gate.touch()
+        assert future.result(timeout=120).step == 2
+    finally:
+        faults.configure("")
+        store.close()
+    with cas.open(path) as other:
+        assert [ck.step for ck in other.checkpoints()] == [1, 2]
+        assert torch.equal(other.load(2)["w"], torch.ones(1000)) and other.verify().ok
