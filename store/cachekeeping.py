@@ -201,6 +201,17 @@ class CacheKeeping:
             self.objects.index = self.index
             self._check_cache()
 
+    def _reopen_when_idle(self, timeout: float = 60.0) -> None:
+        """_reopen_if_orphaned, waiting (up to `timeout` seconds) for this store's other write
+        sessions on the orphaned index to end first: a recode in the background holds one, and
+        its commit there is refused as this save's was."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._reopen_if_orphaned()
+            if not self.index.orphaned() or time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
+
     def cache_is_stale(self, txn) -> bool:
         """Whether the cache no longer matches the store (inside the caller's transaction)."""
         return self.registry.log is not None and cache.why_stale(self, txn) is not None

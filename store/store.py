@@ -285,7 +285,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
             try:
                 return self._write_objects(job)
             except IndexReplacedError:  # deleted under the save, which committed nothing: open it again, once
-                self._reopen_if_orphaned()
+                self._reopen_when_idle()
                 return self._write_objects(job)
         except (OSError, StoreWriteError) as exc:
             kind = type(exc) if isinstance(exc, StoreWriteError) else StoreWriteError  # keep what it says
