@@ -359,10 +359,10 @@ class MasterKey:
     the first). It opens a store whose config's check it matches, and nothing else; it is never
     written. (Whoever holds it can read that store anyway: its master key decrypts it.)"""
 
-    __slots__ = ("_keys",)
+    __slots__ = ("keys",)
 
     def __init__(self, keys: StoreKeys) -> None:
-        self._keys = keys
+        self.keys = keys
 
     def __repr__(self) -> str:
         return "MasterKey(...)"
@@ -373,8 +373,8 @@ def unlock(backend, store_id: str, encryption: dict, key, where: str) -> StoreKe
     keys/ blob of the store opens with it (a wrong key, or a removed one). A MasterKey opens
     the store when the config's check is its."""
     if isinstance(key, MasterKey):
-        if secrets.compare_digest(key._keys.check, bytes(encryption["check"])):
-            return StoreKeys(key._keys.master, "", key._keys.user)
+        if secrets.compare_digest(key.keys.check, bytes(encryption["check"])):
+            return StoreKeys(key.keys.master, "", key.keys.user)
         raise WrongKeyError(f"the encrypted store at {where} was made with another master key")
     if key is None:
         raise KeyRequiredError(f"the store at {where} is encrypted: give its key (cas.open(path, key=...), "
