@@ -935,6 +935,17 @@ def test_the_cache_lost_at_any_phase_of_a_gc_loses_nothing(tmp_path, point, loss
         assert store.verify().ok
 
 
+def _delete_the_index_once_paused(path, gate) -> None:
+    """Wait until a `pause:` fault point at `gate` is reached, then delete the store's index files
+    under the paused process."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{gate}.reached"):
+        assert time.monotonic() < deadline, "the fault point was never reached"
+        time.sleep(0.02)
+    for name in ("data.mdb", "lock.mdb"):
+        os.unlink(path / "index" / name)
+
+
 def test_a_recode_over_an_index_deleted_under_it_commits_nothing_and_loses_nothing(tmp_path):
     """Found by the soak with index deletions: a recode (reverse deltas) whose index files were
     deleted while it ran committed its moves into the orphaned index and removed the whole
@@ -954,12 +965,7 @@ def test_a_recode_over_an_index_deleted_under_it_commits_nothing_and_loses_nothi
         store = cas.open(path, delta=True, **opts)
         store.save({"w": w1}, step=1)
         store.save({"w": w2}, step=2)  # the recode of step 1 against it waits at the gate
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"{gate}.reached"):
-            assert time.monotonic() < deadline, "the recode never reached its fault point"
-            time.sleep(0.02)
-        for name in ("data.mdb", "lock.mdb"):
-            os.unlink(path / "index" / name)
+        _delete_the_index_once_paused(path, gate)
         with cas.open(path, delta=True, **opts) as other:  # a new index at the path, rebuilt from the store
             other.save({"w": w3}, step=3)
         gate.touch()
@@ -986,12 +992,7 @@ def test_a_save_whose_index_is_deleted_under_it_opens_the_index_again_and_commit
     faults.configure(f"save.chunks_written=pause:{gate}@1")
     try:
         future = store.save_async({"w": torch.ones(1000)}, step=2)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"{gate}.reached"):
-            assert time.monotonic() < deadline, "the save never reached its fault point"
-            time.sleep(0.02)
-        for name in ("data.mdb", "lock.mdb"):
-            os.unlink(path / "index" / name)
+        _delete_the_index_once_paused(path, gate)
         with cas.open(path) as other:  # a new index at the path
             assert [ck.step for ck in other.checkpoints()] == [1]
         gate.touch()
