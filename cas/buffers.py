@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 POOL_BYTES = 192 << 20  # at most this much kept between uses
-POOL_COUNT = 64  # and at most this many buffers (a load runs two threads per core, each with one)
+POOL_COUNT = 64  # and at most this many (a read thread holds one; a bucket store runs two per core)
 
 
 class BufferPool:
