@@ -35,10 +35,10 @@ from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Pieces, Seal
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
-                   SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, SEGMENT_V1, StoreKeys, segment_of,
-                   add_key, aead_cipher,
-                   MasterKey, check_fields, check_of, encryption_fields, invalid_tag, key_blob, key_from_env, key_ids,
-                   new_key_id, read_key_file, remove_key, stray_key_ids, unlock, user_key)
+                   SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, SEGMENT_V1, MasterKey, StoreKeys,
+                   add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
+                   key_from_env, key_ids, new_key_id, read_key_file, remove_key, segment_of, stray_key_ids, unlock,
+                   user_key)
 
 _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the header with it
 

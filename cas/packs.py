@@ -210,49 +210,19 @@ class PackFiles(Fanout):
         """(object key, offset, length) of each entry, read from the pack itself (for repair).
         Stops at the first entry that runs past the end of a truncated pack, or whose bytes do
         not start as an object does (a damaged header, or the footer reached where the trailer
-        that says where it starts is damaged)."""
+        that says where it starts is damaged). A pack that cannot be read whole (an encrypted
+        one with a damaged segment) is walked by ranged reads up to the first that fails: a
+        damaged last segment, the footer's, dropped every entry of the pack at repair (audit
+        of stop 39)."""
         name = self.name(pack)
         try:
             data = self.backend.get(name)
-        except CorruptionError:  # a sealed pack with a damaged segment: what lies before it is sound
-            yield from self._entries_by_range(pack, name)
-            return
-        if data[:len(PACK_MAGIC)] not in (PACK_MAGIC, PACK_MAGIC_V1):
-            raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
-        offset = len(PACK_MAGIC)
-        size = _entries_end(pack, data) if data[:len(PACK_MAGIC)] == PACK_MAGIC else len(data)
-        while offset + _ENTRY.size <= size:
-            key, length = _ENTRY.unpack_from(data, offset)
-            offset += _ENTRY.size
-            if offset + length > size or data[offset:offset + len(OBJECT_MAGIC)] != OBJECT_MAGIC:
-                return
-            yield key, offset, length
-            offset += length
-
-    def _entries_by_range(self, pack: bytes, name: str) -> Iterator[tuple[bytes, int, int]]:
-        """entries() of a pack that cannot be read whole (an encrypted pack one segment of
-        which fails its check): each entry's header read on its own, up to the first read that
-        fails. A damaged last segment (the footer's) dropped every entry of the pack at repair;
-        only those the damaged segment covers are lost now (audit of stop 39)."""
-        size = self.backend.stat(name) or 0
-        try:
-            magic = bytes(self.backend.get(name, 0, len(PACK_MAGIC)))
         except CorruptionError:
+            size = self.backend.stat(name) or 0
+            yield from _walk(pack, lambda at, n: self.backend.get(name, at, n), size)
             return
-        if magic not in (PACK_MAGIC, PACK_MAGIC_V1):
-            raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
-        offset = len(PACK_MAGIC)
-        while offset + _ENTRY.size + len(OBJECT_MAGIC) <= size:
-            try:
-                head = self.backend.get(name, offset, _ENTRY.size + len(OBJECT_MAGIC))
-            except CorruptionError:
-                return
-            key, length = _ENTRY.unpack_from(head, 0)
-            offset += _ENTRY.size
-            if offset + length > size or bytes(head[_ENTRY.size:]) != OBJECT_MAGIC:
-                return
-            yield key, offset, length
-            offset += length
+        size = _entries_end(pack, data) if data[:len(PACK_MAGIC)] == PACK_MAGIC else len(data)
+        yield from _walk(pack, lambda at, n: data[at:at + n], size)
 
     def listed(self, pack: bytes, size: int, *, end_to_end: bool = False) -> list[PackEntry] | None:
         """The pack's footer, read from its tail (one ranged read, two for a long footer); None
@@ -388,6 +358,29 @@ def _end_to_end(listed: list[PackEntry], footer_start: int) -> bool:
             return False
         end = e.offset + e.length
     return end == footer_start
+
+
+def _walk(pack: bytes, read, size: int) -> Iterator[tuple[bytes, int, int]]:
+    """PackFiles.entries over `read(offset, n)`, the pack's bytes up to `size`: a read that
+    raises CorruptionError (a damaged sealed segment) ends the walk, after the pack's magic."""
+    try:
+        magic = bytes(read(0, len(PACK_MAGIC)))
+    except CorruptionError:
+        return
+    if magic not in (PACK_MAGIC, PACK_MAGIC_V1):
+        raise CorruptionError(f"pack {to_hex(pack)} does not start with the pack magic")
+    offset = len(PACK_MAGIC)
+    while offset + _ENTRY.size <= size:
+        try:
+            head = read(offset, min(_ENTRY.size + len(OBJECT_MAGIC), size - offset))
+        except CorruptionError:
+            return
+        key, length = _ENTRY.unpack_from(head, 0)
+        offset += _ENTRY.size
+        if offset + length > size or bytes(head[_ENTRY.size:]) != OBJECT_MAGIC:
+            return
+        yield key, offset, length
+        offset += length
 
 
 def _entries_end(pack: bytes, data) -> int:

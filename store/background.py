@@ -24,8 +24,9 @@ from .staging import StagingArena
 class SaveFuture(concurrent.futures.Future):
     """The result of save_async: result() gives the Checkpoint or raises the save's error."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int) -> None:
         super().__init__()
+        self.step = step
         self._observed = False
 
     def result(self, timeout=None):
@@ -57,7 +58,6 @@ class BackgroundSaves:
     def __init__(self, where: str = "") -> None:
         self._executor = Pool(max_workers=1, thread_name_prefix="cas-async")
         self._inflight: list[SaveFuture] = []
-        self._steps_of: dict[SaveFuture, int] = {}
         self.steps: set[int] = set()  # steps of saves not finished yet
         self._arenas: list[StagingArena] = []
         self.where = where  # the store, for the report at exit
@@ -75,9 +75,8 @@ class BackgroundSaves:
         arena = self._arenas.pop() if self._arenas else StagingArena()
         arena.stage(leaves)
         faults.point("save.staged")
-        future = SaveFuture()
+        future = SaveFuture(step)
         self._inflight.append(future)
-        self._steps_of[future] = step
         self.steps.add(step)
 
         def run() -> None:
@@ -110,7 +109,6 @@ class BackgroundSaves:
         failures = []
         for future in [f for f in self._inflight if f.done()]:
             self._inflight.remove(future)
-            self._steps_of.pop(future, None)
             if future.unobserved_exception() is not None:
                 failures.append(future.exception())
         if failures:
@@ -128,8 +126,7 @@ class BackgroundSaves:
         for future in list(self._inflight):
             failure = future.unobserved_exception()
             if failure is not None:
-                step = self._steps_of.get(future)
-                print(f"cas: the background save of step {step}{' into ' + self.where if self.where else ''} "
+                print(f"cas: the background save of step {future.step}{' into ' + self.where if self.where else ''} "
                       f"failed after the script's last call to the store, and that checkpoint was not saved: "
                       f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
 

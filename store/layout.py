@@ -46,6 +46,9 @@ CONFIG_NAME = "config"
 CREATE_LOCK = "create.lock"
 LAYOUT_FOLDERS = ("index", "objects", "packs", "log", "leases", "tmp")
 KEYS_FOLDER = "keys"  # an encrypted store's wrapped master keys (cas/crypt.py), made only for one
+# a bucket store's blobs, by the first part of their names (docs/format.md, "In a bucket"): it
+# has no index/, tmp/ or create.lock (a host's cache and spool live elsewhere)
+BUCKET_FOLDERS = ("objects", "packs", "log", "snapshots", "leases", "quarantine", KEYS_FOLDER, "removing-keys")
 DEFAULT_CHUNK_SIZE = 4 << 20  # see README, "Chunk size": dedup granularity vs. per-object cost
 MIN_CHUNK_SIZE = 64 << 10
 MAX_CHUNK_SIZE = 256 << 20

@@ -135,16 +135,12 @@ def remove_if_new_and_empty(store_cls, path: str, key, *, existed: bool) -> None
         _remove_new_store(path, remove_folder=not existed)
 
 
-# a bucket store's blobs: the first part of each name (docs/format.md, "In a bucket")
-BUCKET_FOLDERS = ("objects", "packs", "log", "snapshots", "leases", "quarantine", "keys", "removing-keys")
-
-
 def _remove_new_store(path: str, *, remove_folder: bool) -> None:
     """Remove a store this command created and left empty: only its own layout, never a file
     the user put there; the folder itself only if this command made it and it is empty. In a
     bucket, the blobs of its layout, the config last (a refused import or pull into a new
     bucket store left it there)."""
-    from cas.store.layout import CONFIG_NAME, CREATE_LOCK, KEYS_FOLDER, LAYOUT_FOLDERS
+    from cas.store.layout import BUCKET_FOLDERS, CONFIG_NAME, CREATE_LOCK, KEYS_FOLDER, LAYOUT_FOLDERS
     from cas.store.location import locate
 
     where = locate(path)
