@@ -54,6 +54,11 @@ def plain_blob(name: str) -> bool:
     return name == "config" or name.startswith((KEYS_PREFIX, REMOVING_PREFIX, "leases/"))
 
 
+def _body_plain(sealed: int, segment: int) -> int:
+    """The plain bytes of `sealed` bytes of whole segments (the last possibly short)."""
+    return max(0, sealed - TAG * -(-sealed // (segment + TAG)))
+
+
 def _aad(name: str) -> bytes:
     return b"cas-blob-1\0" + name.encode("utf-8")
 
@@ -106,8 +111,8 @@ class EncryptedBackend:
         for i in range(nseg):
             lo, hi = i * seg, min(total, (i + 1) * seg)
             at = segment_at(i, seg)
-            aead.encrypt_into(nonce(i, i == nseg - 1), pieces.span(lo, hi), aad,
-                              out[at:at + hi - lo + TAG])
+            aead.seal_parts_into(nonce(i, i == nseg - 1), pieces.views(lo, hi) or [b""], aad,
+                                 out[at:at + hi - lo + TAG])
         return out
 
     def _open_stream(self, name_hint: str) -> "SealedStream":
@@ -189,7 +194,10 @@ class EncryptedBackend:
         pieces, lo = Pieces(o[0] for o in opened), start - first * seg
         if lo + length > pieces.total:
             return False
-        copy_bytes(into[:length], pieces.span(lo, lo + length))
+        at = 0
+        for part in pieces.views(lo, lo + length):
+            copy_bytes(into[at:at + len(part)], part)
+            at += len(part)
         return True
 
     @staticmethod
@@ -269,8 +277,13 @@ class EncryptedBackend:
         return name in self.mended and bytes(self.inner.get(name)) != self.mended[name]
 
     def _ranged(self, name: str, start: int, length: int, buffer: Buffer | None = None):
-        """Plain bytes [start, start + length) of a blob: its covering segments decrypted
-        straight into the caller's `buffer` when one is given (only the edge segments copied)."""
+        """Plain bytes [start, start + length) of a blob. An object of a segment or more (a
+        tensor chunk) has all its covering segments decrypted straight into the caller's
+        `buffer`, the edge ones whole, and is returned as a view into it: no copy, no new
+        memory (the edges' bytes of neighbouring objects are decrypted again by whichever
+        thread reads those). A smaller one decrypts its inner segments into `buffer` and its
+        edge segments through this thread's cache of opened segments, which the small
+        objects next to it in the pack read next."""
         if length <= 0:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
             return b"" if buffer is None else buffer(1)[:0]
@@ -299,8 +312,13 @@ class EncryptedBackend:
                         sealing = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
                 skip = start - first * seg
-                into = (fresh(length) if buffer is None
-                        else buffer(max(length, 1))[:length])
+                if length >= seg:  # a large object: every covering segment decrypts in place, edges too
+                    span = _body_plain(len(body), seg)
+                    into = fresh(span) if buffer is None else buffer(max(span, 1))[:span]
+                    at, skip = skip, 0
+                else:
+                    into = fresh(length) if buffer is None else buffer(max(length, 1))[:length]
+                    at = 0
                 try:
                     n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip)
                 except CorruptionError:
@@ -308,7 +326,7 @@ class EncryptedBackend:
                         self._salts.pop(name, None)
                         continue
                     raise
-                into = into[:max(0, min(length, n - skip))]
+                into = into[at:at + max(0, min(length, n - skip - at))]
                 return bytes(into) if buffer is None else into
             finally:
                 for one in held:

@@ -13,7 +13,7 @@ from itertools import accumulate
 from typing import Iterable
 
 from .backend import Staged
-from .buffers import POOL, copy_bytes, fresh
+from .buffers import POOL, copy_bytes
 from .keys import SEGMENT
 
 TAG = 16
@@ -44,27 +44,23 @@ def nonce(i: int, last: bool) -> bytes:
 
 
 class Pieces:
-    """The parts of a write seen as one run of bytes, any range of which is one buffer: a view
-    where it lies inside one part, else gathered into the scratch buffer given (or a new one)."""
+    """The parts of a write seen as one run of bytes, any range of which is a list of views of
+    the parts it lies in (sealed from there with no gather: cas/keys.py BlobCipher)."""
 
     def __init__(self, parts: Iterable) -> None:
-        self.views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        self.starts = list(accumulate((len(v) for v in self.views), initial=0))
+        self.parts = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        self.starts = list(accumulate((len(v) for v in self.parts), initial=0))
         self.total = self.starts[-1]
 
-    def span(self, lo: int, hi: int, scratch=None) -> memoryview | bytes:
-        if hi <= lo:
-            return b""
+    def views(self, lo: int, hi: int) -> list[memoryview]:
+        """Bytes [lo, hi) as views of the parts they lie in, in order (no copy)."""
+        out: list[memoryview] = []
         i = bisect.bisect_right(self.starts, lo) - 1
-        off = lo - self.starts[i]
-        if off + hi - lo <= len(self.views[i]):
-            return self.views[i][off:off + hi - lo]
-        out = (memoryview(scratch) if scratch is not None and len(scratch) >= hi - lo else fresh(hi - lo))[:hi - lo]
-        filled = 0
-        while filled < hi - lo:
-            take = min(hi - lo - filled, len(self.views[i]) - off)
-            copy_bytes(out[filled:filled + take], self.views[i][off:off + take])
-            filled, i, off = filled + take, i + 1, 0
+        while lo < hi:
+            off = lo - self.starts[i]
+            take = min(hi - lo, len(self.parts[i]) - off)
+            out.append(self.parts[i][off:off + take])
+            lo, i = lo + take, i + 1
         return out
 
 
@@ -72,8 +68,8 @@ class SealedStream:
     """A blob sealed as it is streamed (a pack written at offsets by a save's workers, named
     only once complete: cas/packs.py PackStream), with the STREAM_MAGIC header. Writers give
     plain bytes at plain offsets, from several threads at once; a segment a write covers whole
-    is sealed and written at its place straight away (no copy, unless it spans the write's
-    parts), and one shared with a neighbouring write is gathered until all its bytes are in.
+    is sealed from the write's parts and written at its place straight away (no copy), and one
+    shared with a neighbouring write is gathered until all its bytes are in.
     The last segment, sealed as the last (possibly empty), is written at close, when the
     blob's length is known. Plain bytes reach the inner file only sealed."""
 
@@ -88,14 +84,18 @@ class SealedStream:
         if self._inner.write_at(at, [data]) != len(data):
             raise OSError("a sealed segment was written short")
 
-    def _seal(self, i: int, plain, last: bool, out) -> memoryview:
-        n = len(plain)
-        self._aead.encrypt_into(nonce(i, last), plain, self._aad, out[:n + TAG])
+    def _seal(self, i: int, parts: list, last: bool, out) -> memoryview:
+        n = sum(len(p) for p in parts)
+        self._aead.seal_parts_into(nonce(i, last), parts, self._aad, out[:n + TAG])
         return out[:n + TAG]
 
     def _seal_one(self, i: int, plain, last: bool) -> None:
         """Seal segment i alone and write it at its place."""
-        self._write(segment_at(i, self._seg), self._seal(i, plain, last, fresh(len(plain) + TAG)))
+        out = POOL.take(len(plain) + TAG)
+        try:
+            self._write(segment_at(i, self._seg), self._seal(i, [plain], last, memoryview(out)))
+        finally:
+            POOL.give(out)
 
     def write_at(self, offset: int, parts: list) -> int:
         pieces = Pieces(parts)
@@ -105,34 +105,37 @@ class SealedStream:
         end, seg = offset + total, self._seg
         whole_lo, whole_hi = -(-offset // seg), end // seg  # segments this write covers whole
         if whole_hi > whole_lo:
-            buf = POOL.take((whole_hi - whole_lo) * (seg + TAG))
+            buf = POOL.take(seg + TAG)
             try:
                 out = memoryview(buf)
-                for j, i in enumerate(range(whole_lo, whole_hi)):
-                    plain = pieces.span(i * seg - offset, (i + 1) * seg - offset)
-                    self._seal(i, plain, False, out[j * (seg + TAG):])
-                self._write(segment_at(whole_lo, seg), out[:(whole_hi - whole_lo) * (seg + TAG)])
+                for i in range(whole_lo, whole_hi):
+                    self._write(segment_at(i, seg),
+                                self._seal(i, pieces.views(i * seg - offset, (i + 1) * seg - offset), False, out))
             finally:
                 POOL.give(buf)
         for i in sorted({offset // seg, (end - 1) // seg} - set(range(whole_lo, whole_hi))):
             lo, hi = max(offset, i * seg), min(end, (i + 1) * seg)
-            self._gather(i, lo - i * seg, pieces.span(lo - offset, hi - offset))
+            self._gather(i, lo - i * seg, pieces.views(lo - offset, hi - offset))
         with self._lock:
             self._end = max(self._end, end)
         return total
 
-    def _gather(self, i: int, at: int, plain) -> None:
+    def _gather(self, i: int, at: int, parts: list) -> None:
         with self._lock:
             slot = self._partial.get(i)
-            if slot is None:
-                slot = self._partial[i] = [fresh(self._seg), 0]
-            copy_bytes(slot[0][at:at + len(plain)], plain)
-            slot[1] += len(plain)
+            if slot is None:  # [a pooled buffer its plain bytes gather in, how many so far]
+                slot = self._partial[i] = [POOL.take(self._seg), 0]
+            for part in parts:
+                copy_bytes(memoryview(slot[0])[at:at + len(part)], part)
+                at, slot[1] = at + len(part), slot[1] + len(part)
             full = slot[1] == self._seg
             if full:
                 del self._partial[i]
         if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
-            self._seal_one(i, slot[0], False)
+            try:
+                self._seal_one(i, memoryview(slot[0])[:self._seg], False)
+            finally:
+                POOL.give(slot[0])
 
     def writeback(self, offset: int, nbytes: int) -> None:
         seg = self._seg
@@ -147,12 +150,22 @@ class SealedStream:
             self._partial.clear()
         n = self._end - last * self._seg
         slot = pending.pop(last, None)
-        if pending or (n and (slot is None or slot[1] != n)):
-            self._inner.discard()
-            raise OSError(f"a sealed stream was closed with bytes of {len(pending) + (n > 0)} segment(s) never written")
-        plain = memoryview(slot[0])[:n] if slot is not None else b""
-        self._seal_one(last, plain, True)
+        try:
+            if pending or (n and (slot is None or slot[1] != n)):
+                self._inner.discard()
+                raise OSError(f"a sealed stream was closed with bytes of {len(pending) + (n > 0)} segment(s) "
+                              "never written")
+            self._seal_one(last, memoryview(slot[0])[:n] if slot is not None else b"", True)
+        finally:
+            for one in [slot, *pending.values()]:
+                if one is not None:
+                    POOL.give(one[0])
         return self._inner.close(name, fsync=fsync)
 
     def discard(self) -> None:
+        with self._lock:
+            pending = list(self._partial.values())
+            self._partial.clear()
+        for slot in pending:
+            POOL.give(slot[0])
         self._inner.discard()

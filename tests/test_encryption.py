@@ -496,9 +496,14 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
     for start, length in [(0, 10), (size // 2, 100), (seg - 3, 10), (max(size - 5, 0), 50), (seg - 3, 2 * seg + 10),
                           (seg, seg), (5, size), (seg + 1, MAP_FROM + 3)]:
         assert backend.get("log/x", start, length) == data[start:start + length]
-        scratch = bytearray(length + 1)  # into a caller's buffer: whole segments decrypt straight into it
-        assert bytes(backend.get("log/x", start, length, buffer=lambda n: memoryview(scratch))) == \
-            data[start:start + length]
+        given = []  # into a caller's buffer (of the size asked): whole segments decrypt straight into it
+
+        def into(n: int) -> memoryview:
+            given.append(bytearray(n + 1))
+            return memoryview(given[-1])
+        got = backend.get("log/x", start, length, buffer=into)
+        assert bytes(got) == data[start:start + length]
+        assert got.obj is given[-1]
     buf = bytearray(size + 10)
     assert bytes(backend.get("log/x", buffer=lambda n: memoryview(buf))) == data
     staged = backend.stage("objects/ab/" + "ab" * 32, [data])
