@@ -84,6 +84,7 @@ class EncryptedBackend:
         self.namer = keys.namer
         self.capabilities = inner.capabilities
         self._salts: dict[str, tuple[bytes, bytes]] = {}  # blob name -> (salt, aad), for ranged reads (bounded)
+        self._opened = _OpenedSegments()  # edge segments opened lately, shared by the read threads
         # small blobs (MENDED_PREFIXES) read as sealed: one bit or byte of their stored bytes is
         # damaged, and the AEAD tags proved which (cas/bitrot.py); name -> the sealed bytes as written
         self.mended: dict[str, bytes] = {}
@@ -144,9 +145,9 @@ class EncryptedBackend:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
         Segments inside the range decrypt straight into `out`; the edge ones are opened into
-        this thread's cache of recent segments (or found there: small objects read one after
-        another from a pack share them). With `whole`, body runs to the blob's end, whose last
-        segment must say it is the last."""
+        the process's cache of recent segments, or found there: neighbouring objects of a
+        pack, which the read threads read side by side, share them. With `whole`, body runs
+        to the blob's end, whose last segment must say it is the last."""
         (salt, aad, _), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
@@ -158,47 +159,39 @@ class EncryptedBackend:
             n = len(ct) - TAG
             short = n < seg or (whole and pos + len(ct) == len(body))
             inside = skip <= plain and plain + n <= end
-            opened = None if inside else _SEGMENTS.get(sealing, i, n, short)
-            if opened is not None:
-                marked_last = opened[1]
-            else:
-                dest = out[plain - skip:plain - skip + n] if inside else fresh(n)
+            lo = max(skip, plain)
+            hi = max(lo, min(end, plain + n))  # (of the plain bytes: what `out` takes of this segment)
+            marked_last = None if inside else self._opened.copy_out(sealing, i, n, short, out[lo - skip:hi - skip],
+                                                                    lo - plain)
+            if marked_last is None:
+                held = None if inside else _POOL.take(n)
+                dest = out[plain - skip:plain - skip + n] if inside else memoryview(held)[:n]
                 try:
-                    aead.decrypt_into(nonce(i, short), ct, aad, dest)
-                    marked_last = short
-                except invalid:
-                    if short or not self._try_last(aead, aad, ct, i, dest):
-                        raise self._damaged(name, f"segment {i}") from None
-                    marked_last = True
-                if not inside:
-                    opened = _SEGMENTS.put(sealing, i, dest, marked_last)
+                    try:
+                        aead.decrypt_into(nonce(i, short), ct, aad, dest)
+                        marked_last = short
+                    except invalid:
+                        if short or not self._try_last(aead, aad, ct, i, dest):
+                            raise self._damaged(name, f"segment {i}") from None
+                        marked_last = True
+                    if held is not None:
+                        copy_bytes(out[lo - skip:hi - skip], dest[lo - plain:hi - plain])
+                        self._opened.put(sealing, i, held, n, marked_last)
+                        held = None
+                finally:
+                    if held is not None:
+                        _POOL.give(held)
             if marked_last and not short and (whole or pos + len(ct) < len(body)):
                 raise self._damaged(name, f"segment {i} is marked last but more follows")
-            if not inside:
-                lo, hi = max(skip, plain), min(end, plain + n)
-                if lo < hi:
-                    copy_bytes(out[lo - skip:hi - skip], opened[0][lo - plain:hi - plain])
             pos, plain, i = pos + len(ct), plain + n, i + 1
         return plain
 
     def _cached_range(self, sealing: tuple, start: int, length: int, into) -> bool:
-        """Fill `into` with plain bytes [start, start + length) from this thread's opened
-        segments, with no read, when they hold all of it (a small object next to one just read)."""
+        """Fill `into` with plain bytes [start, start + length) from the opened segments,
+        with no read, when they hold all of it (a small object next to one just read)."""
         seg = self.segment
         first, last = start // seg, (start + length - 1) // seg
-        if last - first > 1:
-            return False
-        opened = [_SEGMENTS.peek(sealing, i) for i in range(first, last + 1)]
-        if any(o is None for o in opened) or (len(opened) == 2 and len(opened[0][0]) != seg):
-            return False
-        pieces, lo = Pieces(o[0] for o in opened), start - first * seg
-        if lo + length > pieces.total:
-            return False
-        at = 0
-        for part in pieces.views(lo, lo + length):
-            copy_bytes(into[at:at + len(part)], part)
-            at += len(part)
-        return True
+        return last - first <= 1 and self._opened.copy_range(sealing, first, start - first * seg, into[:length], seg)
 
     @staticmethod
     def _try_last(aead, aad, ct, i, out) -> bool:
@@ -280,10 +273,10 @@ class EncryptedBackend:
         """Plain bytes [start, start + length) of a blob. An object of a segment or more (a
         tensor chunk) has all its covering segments decrypted straight into the caller's
         `buffer`, the edge ones whole, and is returned as a view into it: no copy, no new
-        memory (the edges' bytes of neighbouring objects are decrypted again by whichever
-        thread reads those). A smaller one decrypts its inner segments into `buffer` and its
-        edge segments through this thread's cache of opened segments, which the small
-        objects next to it in the pack read next."""
+        memory. (Its neighbours decrypt those edges again: measured, AES-GCM runs as fast as
+        the copy out of a cache would.) A smaller one decrypts its inner segments into
+        `buffer`, and opens its edge segments once into the store's segment cache, which the
+        small objects beside it in the pack copy from, whichever thread reads them."""
         if length <= 0:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
             return b"" if buffer is None else buffer(1)[:0]
@@ -292,12 +285,12 @@ class EncryptedBackend:
         cstart = segment_at(first, seg)
         clen = (last - first + 1) * (seg + TAG)
         sealing = self._salts.get(name)
-        if sealing is not None and length <= seg and not _SEGMENTS.bypassing():
+        if sealing is not None and length <= seg and not self._opened.bypassing():
             into = fresh(length) if buffer is None else buffer(max(length, 1))[:length]
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
         for attempt in range(2):
-            sealing = self._salts.get(name) if attempt == 0 and not _SEGMENTS.bypassing() else None
+            sealing = self._salts.get(name) if attempt == 0 and not self._opened.bypassing() else None
             held: list = []
 
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
@@ -411,67 +404,106 @@ class EncryptedBackend:
         return self.inner.lease_alive(name)
 
 
-class _OpenedSegments:
-    """Each thread's few most recently opened edge segments, keyed by their blob's salt (random
-    per write: a rewritten blob never matches), associated data (a blob copied under another
-    name opens nothing from here) and number: a load reads a pack's small objects
-    one after another, and each would otherwise decrypt the same segment again (on a
-    small model, as many bytes again as the whole payload). Only authenticated plaintext enters."""
-
-    KEEP_BYTES = 2 << 20  # per thread: two segments of 1 MiB (an entry spans at most two), 32 of 64 KiB
+class _DiskReads:
+    """While a verify runs (reading_from_disk), every read of an encrypted blob, in any store
+    of the process, opens what is on disk: no segment opened earlier answers for it."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
-        self._bypassed = 0  # while > 0 (a verify runs: reading_from_disk), every read opens what is on disk
-        self._bypass_lock = threading.Lock()
+        self.count = 0
+        self._lock = threading.Lock()
 
     @contextmanager
-    def bypassed(self) -> Iterator[None]:
-        with self._bypass_lock:
-            self._bypassed += 1
+    def forced(self) -> Iterator[None]:
+        with self._lock:
+            self.count += 1
         try:
             yield
         finally:
-            with self._bypass_lock:
-                self._bypassed -= 1
+            with self._lock:
+                self.count -= 1
 
-    def _table(self) -> dict:
-        table = getattr(self._local, "table", None)
-        if table is None:
-            table = self._local.table = {}
-        return table
 
-    def bypassing(self) -> bool:
-        return self._bypassed > 0
+_DISK_READS = _DiskReads()
 
-    def peek(self, sealing: tuple, i: int) -> tuple | None:
-        """(plain bytes, marked last) of segment i, if this thread opened it lately."""
-        return None if self._bypassed else self._table().get((sealing, i))
 
-    def get(self, sealing: tuple, i: int, n: int, short: bool) -> tuple | None:
-        """The segment as `peek` has it, if it fits this read: n bytes, and opened with the
-        nonce this read would use (a short one as the last; a whole one as either)."""
-        opened = self.peek(sealing, i)
-        if opened is None or len(opened[0]) != n or (short and not opened[1]):
+class _OpenedSegments:
+    """A store's most recently opened edge segments of small objects, shared by its read
+    threads, keyed by their blob's salt (random per write: a rewritten blob never matches),
+    associated data (a blob copied under another name opens nothing from here), the master
+    key's check and number. A segment that holds several small objects of a pack is decrypted
+    once, whichever read thread comes first (each would otherwise decrypt it again: on a small
+    model as many bytes again as the whole payload). Only authenticated plaintext enters, and an
+    entry is a pool buffer, copied from and evicted only under the lock.
+    It lives as long as the store's open: a new open (repair, another process) reads the disk."""
+
+    KEEP_BYTES = 32 << 20  # 32 segments of 1 MiB (two edges for each of 16 read threads), 512 of 64 KiB
+
+    def __init__(self) -> None:
+        self._table: dict[tuple, tuple] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bypassing() -> bool:
+        return _DISK_READS.count > 0
+
+    def copy_out(self, sealing: tuple, i: int, n: int, short: bool, dst, at: int) -> bool | None:
+        """Copy segment i's plain bytes from `at` into `dst` if it was opened lately, as this
+        read would open it (n bytes; a short one marked as the last, a whole one either way),
+        and say whether it was marked the last; None if it is not here."""
+        if self.bypassing():
             return None
-        return opened
+        with self._lock:  # (an entry is given back to the pool when evicted: never while copied from)
+            entry = self._table.get((sealing, i))
+            if entry is None or entry[1] != n or (short and not entry[2]):
+                return None
+            copy_bytes(dst, memoryview(entry[0])[at:at + len(dst)])
+            return entry[2]
 
-    def put(self, sealing: tuple, i: int, plain, marked_last: bool) -> tuple:
-        table = self._table()
-        table[(sealing, i)] = entry = (plain, marked_last)
-        while len(table) > 2 and sum(len(p) for p, _ in table.values()) > self.KEEP_BYTES:
-            del table[next(iter(table))]  # the oldest (dicts keep insertion order)
-        return entry
+    def copy_range(self, sealing: tuple, first: int, at: int, dst, segment: int) -> bool:
+        """Copy plain bytes from `at` in segment `first` on into `dst` (reaching into the next
+        segment at most) if the segments opened lately hold all of them; False otherwise."""
+        if self.bypassing():
+            return False
+        with self._lock:
+            parts = []
+            for i in (first, first + 1) if at + len(dst) > segment else (first,):
+                entry = self._table.get((sealing, i))
+                if entry is None:
+                    return False
+                parts.append(memoryview(entry[0])[:entry[1]])
+            if len(parts) == 2 and len(parts[0]) != segment:
+                return False
+            pieces = Pieces(parts)
+            if at + len(dst) > pieces.total:
+                return False
+            done = 0
+            for part in pieces.views(at, at + len(dst)):
+                copy_bytes(dst[done:done + len(part)], part)
+                done += len(part)
+            return True
 
+    def put(self, sealing: tuple, i: int, buf, n: int, marked_last: bool) -> None:
+        """Keep segment i's n plain bytes, opened into `buf` (a pool buffer, this cache's now)."""
+        with self._lock:
+            old = self._table.pop((sealing, i), None)
+            if old is not None:
+                self._drop(old)
+            self._table[(sealing, i)] = (buf, n, marked_last)
+            self._bytes += len(buf)
+            while len(self._table) > 1 and self._bytes > self.KEEP_BYTES:
+                self._drop(self._table.pop(next(iter(self._table))))  # the oldest (dicts keep insertion order)
 
-_SEGMENTS = _OpenedSegments()
+    def _drop(self, entry: tuple) -> None:
+        self._bytes -= len(entry[0])
+        _POOL.give(entry[0])
 
 
 def reading_from_disk():
     """A context in which every read of an encrypted blob decrypts and authenticates what is on
     disk now: no segment opened earlier, no salt read earlier. A verify runs in it: plaintext
     opened before a blob was damaged would otherwise answer for the damaged blob."""
-    return _SEGMENTS.bypassed()
+    return _DISK_READS.forced()
 
 
 

@@ -893,7 +893,7 @@ def test_repair_of_an_encrypted_pack_whose_last_segment_is_damaged_keeps_the_ent
             store.save(tensors, step=1)
             keys.extend(k for t in store.tensors(1) for k in t["chunks"])
 
-    def in_a_new_thread(fn) -> None:  # each thread keeps the segments it opened: repair must read the disk
+    def in_a_new_thread(fn) -> None:  # (no segment opened by the save's threads may answer for the disk)
         thread = threading.Thread(target=fn)
         thread.start()
         thread.join()
@@ -916,9 +916,10 @@ def test_repair_of_an_encrypted_pack_whose_last_segment_is_damaged_keeps_the_ent
 
 
 def test_a_pack_sealed_under_another_master_key_never_opens_from_the_segment_cache(tmp_path):
-    """Each thread keeps the segments it opened lately, keyed by salt and associated data, which
-    a streamed pack shares with its copy in another store: a copy of store A's pack put in store
-    B opened there from the cache, under no check of B's key (audit of stop 39)."""
+    """Opened segments are kept, keyed by salt and associated data, which a streamed pack shares
+    with its copy in another store: a copy of store A's pack put in store B opened there from
+    the cache, under no check of B's key (audit of stop 39). The cache is keyed by the master
+    key's check too, and is each open store's own."""
     import shutil
 
     from cas.localfs import LocalBackend
