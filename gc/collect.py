@@ -289,7 +289,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
                     if key in held:
                         report.objects_held += 1
                         continue
-                    report.freed_bytes += _delete(store, txn, key, report)
+                    report.freed_bytes += _delete(store, txn, key, report, key in on_disk)
                     report.objects_swept += 1
                 faults.point("gc.sweep_batch")
         except _RegistryMoved:
@@ -440,14 +440,16 @@ def _held_with_bases(index, txn) -> set[bytes]:
     return held | bases_of(index, txn, held)
 
 
-def _delete(store, txn, key: bytes, report: GcReport) -> int:
+def _delete(store, txn, key: bytes, report: GcReport, has_file: bool) -> int:
     """Drop one object's record, and its file, inside the sweep's write transaction. An object
-    in a pack loses only its record here; compact_packs gives the space back."""
+    in a pack loses only its record here (compact_packs gives the space back), and the whole
+    copy a recode superseded and was stopped before it removed (`has_file`: the sweep listed one):
+    left, no record would name it, and only the next gc would take it as an orphan."""
     index, files = store.index, store.objects.files
     rec = index.record(txn, key)
     if rec is not None:
         txn.delete(key, db=index.db("objects"))
-        if rec.where == WHERE_PACK:
+        if rec.where == WHERE_PACK and not has_file:
             return rec.stored_size
     size = files.has(key) or 0
     files.delete(key)

@@ -552,12 +552,14 @@ class Soak:
                 f["verify_ok"] = False
                 f["problems"].append(f"check {f['checks']}: verify: {[str(p) for p in report.problems][:10]}")
             if final:
-                store.gc()
+                swept = store.gc()
                 try:
                     assert_exactly_reachable(store)
                 except AssertionError as exc:
                     f["exactly_reachable"] = False
-                    f["problems"].append(f"not exactly the reachable objects after gc: {exc}")
+                    f["problems"].append(f"not exactly the reachable objects after gc: {exc}; the gc: deferred "
+                                         f"{swept.deferred!r}, swept {swept.objects_swept}, held {swept.objects_held}, "
+                                         f"index orphaned {store.index.orphaned()}")
                 from helpers import tmp_files
                 if tmp_files(store):
                     f["problems"].append(f"temporary files left after the final gc: {tmp_files(store)[:5]}")

@@ -481,6 +481,24 @@ def _sizes(*multiples):
         [(seg, 2 * MAP_FROM + 12345) for seg in SEGMENTS]
 
 
+@pytest.mark.parametrize("cuts", [(), (0,), (1,), (15, 16, 17), (100, 4096, 4097, 70000), (65535,)])
+def test_a_segment_sealed_from_several_buffers_is_the_one_shot_seal_of_their_bytes(cuts):
+    """A write's segment is sealed straight from the buffers it spans (GCM's incremental form,
+    no gather copy): the stored bytes must be exactly what the one-shot seal of the joined bytes
+    gives, which every reader, this one and older ones, opens."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from cas.keys import BlobCipher
+
+    key, nonce, aad = os.urandom(32), crypt.nonce(3, False), b"cas-blob-2\0packs"
+    data = os.urandom(65536)
+    bounds = [0, *cuts, len(data)]
+    parts = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
+    out = bytearray(len(data) + crypt.TAG)
+    BlobCipher(key).seal_parts_into(nonce, parts, aad, memoryview(out))
+    assert bytes(out) == AESGCM(key).encrypt(nonce, data, aad)
+
+
 @pytest.mark.parametrize("seg,size", _sizes((0, 0), (0, 1), (1, -1), (1, 0), (1, 1), (3, 7)))
 def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
     from cas.localfs import LocalBackend

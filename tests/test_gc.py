@@ -38,14 +38,24 @@ def assert_exactly_reachable(store) -> None:
     live = reachable(store, [ck.step for ck in store.checkpoints()])
     with store.index.read() as txn:
         records = dict(store.index.iter_records(txn))
-    assert set(records) == live
+    assert set(records) == live, f"records not reached: {_some(set(records) - live)}; reached, no record: " \
+                                 f"{_some(live - set(records))}"
     files = set(store.objects.files.iterate())
-    assert files == {k for k, r in records.items() if r.where == WHERE_FILE}
+    in_files = {k for k, r in records.items() if r.where == WHERE_FILE}
+    assert files == in_files, f"object files no record places: {_some(files - in_files)}; placed, no file: " \
+                              f"{_some(in_files - files)}"
     packs = store.objects.packs
-    assert set(packs.iterate()) == {r.pack for r in records.values() if r.where == WHERE_PACK}
+    in_packs = {r.pack for r in records.values() if r.where == WHERE_PACK}
+    assert set(packs.iterate()) == in_packs, f"packs: {_some(set(packs.iterate()) - in_packs)} unplaced, " \
+                                             f"{_some(in_packs - set(packs.iterate()))} missing"
     for pack in packs.iterate():  # no dead entry is left inside a pack
         for key, offset, _ in packs.entries(pack):
-            assert records[key].pack == pack and records[key].offset == offset
+            assert records[key].pack == pack and records[key].offset == offset, \
+                f"a dead entry {key.hex()} in pack {pack.hex()}"
+
+
+def _some(keys: set) -> str:
+    return f"{len(keys)} {[k.hex()[:16] for k in sorted(keys)[:3]]}"
 
 
 def fill(store, n: int, milestones=(), metric=None) -> None:
