@@ -19,7 +19,8 @@ from .backend import Backend
 from .buffers import ThreadBuffer
 from .objectfiles import FileObjects
 from .packs import PACK_TARGET, STREAM_TARGET, PackFiles
-from .session import LEASE_PREFIX, WriteSession, begin_lease, lease_name
+from .leases import LEASE_PREFIX, begin_lease, lease_name
+from .session import WriteSession
 
 __all__ = ["DEFAULT_PACK_MAX", "LEASE_PREFIX", "MAX_CHAIN_DECODE", "ObjectStore", "WriteSession", "begin_lease",
            "lease_name"]

@@ -16,14 +16,10 @@ The index, not the presence of a file, decides dedup: a file left by a crash is 
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
-import socket
 import threading
-import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-import msgpack
 import numpy as np
 
 from . import faults
@@ -32,7 +28,8 @@ from .codecs import parse_header
 from .errors import CasError, CorruptionError, MissingObjectError, StoreClosedError, StoreWriteError
 from .index import LEASE_ID_SIZE, WHERE_FILE, WHERE_PACK, ObjectRecord
 from .moves import Moves
-from .backend import Backend, Staged
+from .backend import Staged
+from .leases import begin_lease, lease_name
 from .objectfiles import FileObjects
 from .packs import PACK_HEADER, PackEntry, PackStream, salt_entry
 
@@ -40,22 +37,6 @@ if TYPE_CHECKING:
     from .objectstore import ObjectStore
 
 T = TypeVar("T")
-
-LEASE_PREFIX = "leases/"
-
-
-def lease_name(lease: bytes) -> str:
-    return f"{LEASE_PREFIX}{lease.hex()}"
-
-
-def begin_lease(backend: Backend | None, lease: bytes, purpose: str):
-    """Take a writer's lease file (None without a backend)."""
-    if backend is None:
-        return None
-    info = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                          "purpose": purpose})
-    return backend.lease(lease_name(lease), info)
-
 
 class WriteSession(Moves):
     """One writer's lease: claims, writes and a single commit. Use as a context manager; leaving

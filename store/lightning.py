@@ -9,7 +9,7 @@ every byte verified on load). Importing this module imports Lightning; nothing e
     L.Trainer(plugins=[io], ...).fit(model, ckpt_path="last")       # or "best", or a path
     Model.load_from_checkpoint(cas_url("ckpt/epoch=1-step=8.ckpt"))  # no plugin needed
 
-Markers. Lightning decides by the filesystem: it versions a name (-v1) only when a file is
+Markers (store/lightning_markers.py). Lightning decides by the filesystem: it versions a name (-v1) only when a file is
 there, links last.ckpt to a file (save_last="link"), finds ckpt_path="last" by listing its
 folder. So after each save's commit the plugin writes a marker at the path Lightning named (a
 local file, or an object where dirpath is another fsspec filesystem): a zip archive of one
@@ -54,285 +54,32 @@ Paths and steps. The store names a checkpoint by a step, Lightning by a path.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import io
 import os
 import re
 import threading
 import warnings
-import zipfile
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 import fsspec.core
 import fsspec.utils
-import msgpack
 import torch
-from fsspec.spec import AbstractFileSystem
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from cas import fsutil
-from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError, StoreKeyError
+from cas.errors import CasError, CheckpointExistsError, CheckpointNotFoundError
 
-from .opening import given_or_opened, open_named
+from .lightning_markers import (PATHS_META, PROTOCOL, CasFileSystem, Marker, cas_url, holding,  # noqa: F401
+                                is_marker, lightning_paths, load_marked, load_named, marked_checkpoint, marker_or_none,
+                                marker_place, names_checkpoint, read_file, read_marker, remove_file, small_file,
+                                write_marker)
+from .opening import given_or_opened
 from .registry import Checkpoint
 from .store import CheckpointStore
 from .lightning_state import plain, same_values, storable
 
-PATHS_META = "lightning_paths"
 GLOBAL_STEP_META = "lightning_global_step"
-PROTOCOL = "cas"
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
 PLACE_ATTEMPTS = 5  # saves placed again after another run sharing the store committed at their step
-
-# The marker's only member. torch.load's error on a marker ends with this name (a zip member not
-# in a folder), so it says what the file is and how to load it; a name cannot hold a "/".
-MARKER_MEMBER = ("cas checkpoint marker, not a torch.save file: load it through cas.store.lightning "
-                 "(the CasCheckpointIO plugin, or the URL cas_url(path) gives)")
-MARKER_FORMAT = 1
-_MARKER_LIMIT = 64 << 10  # a marker is a few hundred bytes; a larger file is something else
-
-
-@dataclass(frozen=True)
-class Marker:
-    """What a marker file says: checkpoint `id` at `step` of the store at `store`, saved at `path`
-    (`store_relative`: the store's path from the marker's folder, when both are local)."""
-
-    store: str
-    step: int
-    id: str
-    path: str
-    store_relative: str | None = None
-
-
-# --- the files markers are: local paths, or URLs of another fsspec filesystem (s3://...) -------
-def _where(path: str | os.PathLike) -> str:
-    """A marker's place, from a path or a cas:// URL: an absolute local path, or a URL."""
-    path = os.fspath(path)
-    if path.startswith(f"{PROTOCOL}://"):
-        path = path[len(PROTOCOL) + 3:]
-    if fsspec.utils.get_protocol(path) == "file":
-        return os.path.abspath(path.removeprefix("file://"))
-    return path
-
-
-def _remote(path: str) -> tuple[AbstractFileSystem, str] | None:
-    """(the filesystem, its path) of a URL; None for a local path."""
-    return None if fsspec.utils.get_protocol(path) == "file" else fsspec.core.url_to_fs(path)
-
-
-def _read_file(path: str) -> bytes | None:
-    """The first bytes of the file at `path`, up to past a marker's limit; None when absent."""
-    remote = _remote(path)
-    try:
-        with (remote[0].open(remote[1], "rb") if remote else open(path, "rb")) as f:
-            return f.read(_MARKER_LIMIT + 1)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        raise CasError(f"{path} is a folder, not a cas checkpoint marker") from None
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Readers see all of `data` at `path` or what was there (a local file is renamed into
-    place; an object store's PUT is atomic)."""
-    remote = _remote(path)
-    if remote:
-        remote[0].pipe_file(remote[1], data)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fsutil.atomic_write(path, [data])
-
-
-def _remove_file(path: str) -> None:
-    remote = _remote(path)
-    if remote is None:
-        fsutil.unlink_quietly(path)
-        return
-    with contextlib.suppress(FileNotFoundError):
-        remote[0].rm_file(remote[1])
-
-
-def _modified(path: str) -> datetime.datetime:
-    remote = _remote(path)
-    if remote:
-        return remote[0].modified(remote[1])
-    return datetime.datetime.fromtimestamp(os.path.getmtime(path), tz=datetime.timezone.utc)
-
-
-def write_marker(path: str, store: CheckpointStore, ck: Checkpoint) -> None:
-    """Put the marker of `ck` at `path` (replacing what is there: a save at a path overwrites
-    it, as Lightning expects of a file)."""
-    fields = {"format": MARKER_FORMAT, "store": store.path, "step": ck.step, "id": ck.id, "path": path}
-    if _remote(path) is None and _remote(store.path) is None:  # found again when the run folder moves
-        fields["store_relative"] = os.path.relpath(store.path, os.path.dirname(path))
-    body = msgpack.packb(fields, use_bin_type=True)
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr(zipfile.ZipInfo(MARKER_MEMBER, date_time=(1980, 1, 1, 0, 0, 0)), body)
-    _write_file(path, buffer.getvalue())
-
-
-def read_marker(path: str) -> Marker | None:
-    """The marker at `path` (a link followed), or None when nothing is there; CasError for a
-    file that is not one (a torch.save file, say)."""
-    data = _read_file(path)
-    if data is None:
-        return None
-    try:
-        if len(data) > _MARKER_LIMIT:
-            raise ValueError("larger than any marker")
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            if archive.namelist() != [MARKER_MEMBER]:
-                raise ValueError("an archive of other files")
-            fields = msgpack.unpackb(archive.read(MARKER_MEMBER), raw=False)
-        if not isinstance(fields, dict) or fields.get("format") != MARKER_FORMAT:
-            raise ValueError(f"marker format {fields.get('format') if isinstance(fields, dict) else None!r}, "
-                             f"not {MARKER_FORMAT}")
-        marker = Marker(fields["store"], fields["step"], fields["id"], fields["path"], fields.get("store_relative"))
-        if not (isinstance(marker.store, str) and type(marker.step) is int and isinstance(marker.id, str)
-                and isinstance(marker.path, str) and isinstance(marker.store_relative, (str, type(None)))):
-            raise ValueError("fields of the wrong types")
-    # EOFError, NotImplementedError, RuntimeError: zipfile's for a truncated, compressed or encrypted member
-    except (zipfile.BadZipFile, ValueError, KeyError, TypeError, EOFError, NotImplementedError, RuntimeError,
-            msgpack.UnpackException) as exc:
-        why = ("not a zip archive" if isinstance(exc, zipfile.BadZipFile)
-               else f"no field {exc}" if isinstance(exc, KeyError) else str(exc))
-        raise CasError(f"{path} is not a cas checkpoint marker ({why}); CasCheckpointIO loads only checkpoints "
-                       "of its store: to resume from a torch.save file, import it (`cas --store STORE import "
-                       "FILE --step N`) and pass ckpt_path=CasCheckpointIO.path_for(N) ('step=N.ckpt')") from None
-    return marker
-
-
-def marked_checkpoint(store: CheckpointStore, marker: Marker, where: str) -> Checkpoint:
-    """The checkpoint `marker` (read at `where`) names, still in `store`: the one with its id,
-    or one that replaced it at its step and lists its path (a same-step save of its run)."""
-    try:
-        ck = store.get(marker.step)
-    except CheckpointNotFoundError:
-        ck = None
-    if ck is None or (ck.id != marker.id and marker.path not in _paths(ck)):
-        raise CheckpointNotFoundError(
-            f"the marker {where} names checkpoint {marker.id[:12]} at step {marker.step} of the store at "
-            f"{marker.store}, which no longer holds it (deleted, by retention or `cas rm`, or replaced)")
-    return ck
-
-
-def _holding(store: CheckpointStore, marker: Marker) -> Checkpoint | None:
-    """The checkpoint of `store` with the marker's id (its step first): an id is the hash of a
-    checkpoint's content, so any store holding it holds that checkpoint."""
-    try:
-        ck = store.get(marker.step)
-    except CheckpointNotFoundError:
-        ck = None
-    if ck is not None and ck.id == marker.id:
-        return ck
-    return next((c for c in store.checkpoints() if c.id == marker.id), None)
-
-
-def _stores_to_try(marker: Marker, where: str, opened: CheckpointStore | None) -> list[str]:
-    """Where a marker read at `where` may find its checkpoint, in order: the plugin's own store,
-    the store at the marker's relative place (a run folder moved or renamed with its store),
-    and the store it names."""
-    paths = [opened.path] if opened is not None else []
-    if marker.store_relative is not None and _remote(where) is None:
-        paths.append(os.path.normpath(os.path.join(os.path.dirname(where), marker.store_relative)))
-    paths.append(marker.store)
-    return list(dict.fromkeys(paths))
-
-
-@contextlib.contextmanager
-def _marked(marker: Marker, where: str, opened: CheckpointStore | None) -> Iterator[tuple[CheckpointStore, Checkpoint]]:
-    """(store, checkpoint) the marker read at `where` names. A store holding the marker's id
-    holds it; else, only while the marker is still at the path it was written to, the save that
-    replaced it at its step in the store it names (marked_checkpoint). A marker moved or
-    copied elsewhere never stands for another run's checkpoint that lists its old path (a
-    renamed run resumed from the run that then took over its old folder, with no error)."""
-    tried, locked = [], None
-    for path in _stores_to_try(marker, where, opened):
-        store = opened if opened is not None and path == opened.path else None
-        owned = store is None
-        if owned:
-            try:
-                store = open_named(path, create=False, readonly=True)  # an encrypted one: $CAS_KEY_FILE's key
-            except StoreKeyError as exc:  # a store there that this process has no key for: say that
-                locked = locked or exc
-                continue
-            except CasError as exc:
-                tried.append(f"{path} ({exc})")
-                continue
-        try:
-            ck = _holding(store, marker)
-            if ck is None and path == marker.store and where == marker.path:
-                ck = marked_checkpoint(store, marker, where)
-            if ck is not None:
-                yield store, ck
-                return
-            tried.append(path)
-        finally:
-            if owned:
-                store.close()
-    if locked is not None:
-        raise locked
-    raise CheckpointNotFoundError(
-        f"the marker {where} names checkpoint {marker.id[:12]} at step {marker.step} of the store at {marker.store}, "
-        f"which no store holds any more (tried: {'; '.join(tried)}): deleted, by retention or `cas rm`, or replaced")
-
-
-def load_marked(path: str | os.PathLike, *, store: CheckpointStore | None = None,
-                device: str | torch.device | None = None) -> dict:
-    """The checkpoint dict the marker at `path` names, every byte verified (read from `store`
-    when the marker names it, else from the store it names, opened read-only)."""
-    path = _where(path)
-    marker = read_marker(path)
-    if marker is None:
-        raise FileNotFoundError(f"no cas checkpoint marker at {path}")
-    return _load(marker, path, store, device)
-
-
-def _load(marker: Marker, where: str, store: CheckpointStore | None, device) -> dict:
-    with _marked(marker, where, store) as (source, ck):
-        return source.load(ck.step, device=device)
-
-
-def cas_url(path: str | os.PathLike) -> str:
-    """The `cas://` URL of a marker path, for Lightning code that reads through fsspec without
-    the plugin: Model.load_from_checkpoint(cas_url(path)), Trainer.fit(ckpt_path=cas_url(path))."""
-    return f"{PROTOCOL}://{_where(path)}"
-
-
-class CasFileSystem(AbstractFileSystem):
-    """fsspec's `cas://` protocol: the file at cas://PATH is the checkpoint the marker at PATH
-    names, as a torch.save stream (built in memory from verified data; read-only)."""
-
-    protocol = PROTOCOL
-    root_marker = ""
-
-    def info(self, path, **kwargs) -> dict:
-        path = _where(self._strip_protocol(path))
-        if read_marker(path) is None:
-            raise FileNotFoundError(f"no cas checkpoint marker at {path}")
-        return {"name": path, "size": None, "type": "file"}
-
-    def ls(self, path, detail=True, **kwargs):
-        info = self.info(path)
-        return [info] if detail else [info["name"]]
-
-    def modified(self, path) -> datetime.datetime:
-        return _modified(_where(self._strip_protocol(path)))
-
-    def _open(self, path, mode="rb", **kwargs):
-        if mode != "rb":
-            raise PermissionError(f"cas:// files are read-only (asked to open {path} with mode {mode!r})")
-        stream = io.BytesIO()
-        torch.save(load_marked(self._strip_protocol(path)), stream)
-        stream.seek(0)
-        return stream
-
-
-fsspec.register_implementation(PROTOCOL, CasFileSystem, clobber=True)  # the entry point, for this process
 
 
 class CasCheckpointIO(CheckpointIO):
@@ -366,7 +113,7 @@ class CasCheckpointIO(CheckpointIO):
         global_step = checkpoint.get("global_step")
         if type(global_step) is not int:
             raise TypeError(f"a Lightning checkpoint carries an int 'global_step'; this one has {global_step!r}")
-        path = _where(path)
+        path = marker_place(path)
         state = storable(checkpoint)
         for attempt in range(PLACE_ATTEMPTS):
             with self._lock:
@@ -428,23 +175,23 @@ class CasCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """The checkpoint dict stored for `path`; tensors on CPU unless map_location is a device."""
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        where = _where(path)
+        where = marker_place(path)
         marker = read_marker(where)
         if marker is not None:
-            return _load(marker, where, self.store, device)
+            return load_named(marker, where, self.store, device)
         return self.store.load(self.step_for(path), device=device)
 
     def remove_checkpoint(self, path) -> None:
         """Delete the marker at `path` (or Lightning's link there), then the checkpoint it named
         if no other marker names it. Any other file there is left alone. Nothing there yet: the
         save of `path` has not run (AsyncCheckpointIO's queue), and it is skipped when it does."""
-        path = _where(path)
+        path = marker_place(path)
         with self._lock:
             saving = path in self._saving  # a running save writes its marker: it is told not to
             ck = None if saving else self._named(path, self.store.checkpoints())
-            if os.path.islink(path) or _is_marker(path):
-                _remove_file(path)
-            elif not saving and _read_file(path) is None:
+            if os.path.islink(path) or is_marker(path):
+                remove_file(path)
+            elif not saving and read_file(path) is None:
                 saving = True
             if saving:
                 self._removed_unsaved.add(path)
@@ -475,19 +222,19 @@ class CasCheckpointIO(CheckpointIO):
 
     def step_for(self, path) -> int:
         """The step a Lightning path names (rules in the module docstring)."""
-        local = _where(path)
+        local = marker_place(path)
         marker = read_marker(local)
         if marker is not None:
             if self._is_ours(marker) and local == marker.path:
                 return marker.step
-            ck = _holding(self.store, marker)  # a run folder moved or renamed with its store
+            ck = holding(self.store, marker)  # a run folder moved or renamed with its store
             if ck is None:
                 raise CasError(f"the marker {local} names checkpoint {marker.id[:12]} of the store at {marker.store}, "
                                f"which this plugin's store at {self.store.path} does not hold")
             return ck.step
         cks = self.store.checkpoints()
         given = os.fspath(path)
-        listing = [ck for ck in cks if local in _paths(ck) or given in _paths(ck)]
+        listing = [ck for ck in cks if local in lightning_paths(ck) or given in lightning_paths(ck)]
         if listing:
             return max(listing, key=lambda ck: (ck.seq, ck.step)).step  # commit order, never a clock
         name = os.path.basename(local)
@@ -508,14 +255,14 @@ class CasCheckpointIO(CheckpointIO):
 
     def _named(self, path: str, cks: list[Checkpoint]) -> Checkpoint | None:
         """The checkpoint of this store the marker at `path` names, if any."""
-        marker = _marker_or_none(path)
+        marker = marker_or_none(path)
         if marker is None or not self._is_ours(marker):
             return None
-        return next((ck for ck in cks if ck.step == marker.step and _names(marker, ck)), None)
+        return next((ck for ck in cks if ck.step == marker.step and names_checkpoint(marker, ck)), None)
 
     def _live_paths(self, ck: Checkpoint) -> list[str]:
         """The paths that still name `ck`: listed by it, their markers naming it."""
-        return [p for p in _paths(ck) if self._named(p, [ck]) is not None]
+        return [p for p in lightning_paths(ck) if self._named(p, [ck]) is not None]
 
     def _place(self, global_step: int, path: str, cks: list[Checkpoint], checkpoint: dict) -> tuple[int, list[str]]:
         """(the store step this save goes to, the paths that keep naming it). This run's earlier
@@ -573,29 +320,6 @@ class CasCheckpointIO(CheckpointIO):
         self.store.close()
 
 
-def _marker_or_none(path: str) -> Marker | None:
-    """The marker at `path`; None for nothing or some other file there (which names nothing)."""
-    try:
-        return read_marker(path)
-    except CasError:
-        return None
-
-
-def _is_marker(path: str) -> bool:
-    return _marker_or_none(path) is not None
-
-
-def _names(marker: Marker, ck: Checkpoint) -> bool:
-    """Whether `marker` names `ck`: its id, or its step and a path `ck` lists (a same-step save
-    of the run replaced the checkpoint before its marker was rewritten)."""
-    return marker.step == ck.step and (marker.id == ck.id or marker.path in _paths(ck))
-
-
-def _paths(ck: Checkpoint) -> list[str]:
-    paths = ck.meta.get(PATHS_META)
-    return paths if isinstance(paths, list) else []
-
-
 # --- Lightning's own loader reads markers too -----------------------------------------------
 # Model.load_from_checkpoint(path) and a Trainer without this plugin (ckpt_path=path) read a
 # checkpoint with Lightning's `pl_load` (fsspec + torch.load), which a marker is not made for.
@@ -604,7 +328,7 @@ def _paths(ck: Checkpoint) -> list[str]:
 # imports it gets torch.load's error naming what the file is, or can use cas_url(path).
 def _loading_markers_too(original):
     def load(path_or_url, map_location=None, weights_only=None):
-        if isinstance(path_or_url, (str, os.PathLike)) and _small_file(path_or_url) and _is_marker(
+        if isinstance(path_or_url, (str, os.PathLike)) and small_file(path_or_url) and is_marker(
                 os.fspath(path_or_url)):
             device = map_location if isinstance(map_location, (str, torch.device)) else None
             return load_marked(path_or_url, device=device)
@@ -612,18 +336,6 @@ def _loading_markers_too(original):
     load.cas_reads_markers = True
     load.__wrapped__ = original
     return load
-
-
-def _small_file(path) -> bool:
-    """A file no larger than a marker (a real torch.save file is not even opened), local or at
-    an fsspec URL (a dirpath in a bucket: one stat)."""
-    try:
-        path = os.fspath(path)
-        remote = _remote(path)
-        size = remote[0].size(remote[1]) if remote else os.path.getsize(path)
-        return size is not None and size <= _MARKER_LIMIT
-    except (OSError, ValueError, ImportError):  # absent, or a protocol fsspec cannot open: Lightning's own load says
-        return False
 
 
 def _teach_lightning_markers() -> None:
