@@ -145,9 +145,9 @@ class EncryptedBackend:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
         Segments inside the range decrypt straight into `out`; the edge ones are opened into
-        the process's cache of recent segments, or found there: neighbouring objects of a
-        pack, which the read threads read side by side, share them. With `whole`, body runs
-        to the blob's end, whose last segment must say it is the last."""
+        the store's cache of recent segments, or found there: the small objects of a pack
+        share them, whichever read thread reads them. With `whole`, body runs to the blob's
+        end, whose last segment must say it is the last."""
         (salt, aad, _), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)

@@ -128,14 +128,22 @@ def _shared_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tu
     return entry
 
 
-def file_identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of an environment's data file: changes when the index files are
-    deleted and made again, or another copy is put in their place."""
+def file_identity(path: str) -> tuple | None:
+    """(device, inode) of an environment's data file and of its lock file: changes when the
+    index files are deleted and made again, or another copy is put in their place. The lock
+    file counts too: a process that opened the index after its lock file was deleted (the data
+    file kept, or made again in between) takes LMDB's writer lock in another file than those
+    that opened it before, and two such writers commit over each other (the soak of stop 40
+    lost a committed save's records so, and a compaction then its pack)."""
     try:
-        st = os.stat(os.path.join(path, "data.mdb"))
+        data = os.stat(os.path.join(path, "data.mdb"))
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    try:
+        lock = os.stat(os.path.join(path, "lock.mdb"))
+    except OSError:
+        return data.st_dev, data.st_ino, None
+    return data.st_dev, data.st_ino, lock.st_dev, lock.st_ino
 
 
 def _open_env(path: str, *, readonly: bool, create: bool, map_size: int) -> tuple[lmdb.Environment, str | None]:

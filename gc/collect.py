@@ -55,6 +55,7 @@ class GcReport:
     packs_held: int = 0  # packs left uncompacted for a writer in progress (a later gc compacts them)
     held_for_mirror: list[int] = field(default_factory=list)  # kept only because not yet mirrored
     objects_missing: int = 0  # objects committed checkpoints need that the store holds nowhere
+    unrecorded_packs: list[str] = field(default_factory=list)  # kept: entries checkpoints need, no record names
     mark_seconds: float = 0.0
     sweep_seconds: float = 0.0
 
@@ -68,6 +69,7 @@ class GcReport:
                 "live_objects": self.live_objects, "leases_reaped": self.leases_reaped, "deferred": self.deferred,
                 "objects_held": self.objects_held, "packs_held": self.packs_held,
                 "held_for_mirror": self.held_for_mirror, "objects_missing": self.objects_missing,
+                "unrecorded_packs": self.unrecorded_packs,
                 "mark_seconds": round(self.mark_seconds, 4), "sweep_seconds": round(self.sweep_seconds, 4)}
 
 
@@ -83,7 +85,9 @@ class _IndexSuspect(Exception):
 
 class _RegistryMoved(Exception):
     """A manifest node vanished while it was being marked, and checkpoints were removed since
-    the mark began: another process deleted and swept them. Mark again from the registry."""
+    the mark began (another process deleted and swept them), or the index was replaced under
+    the mark (its registry was no longer the store's). Mark again from the registry, the
+    index at the path opened again (ensure_cache)."""
 
 
 class Marker:
@@ -125,6 +129,8 @@ class Marker:
         try:
             return parse_node(self.store.objects.get(key).tobytes(), key)
         except CorruptionError as exc:
+            if self.store.index.orphaned():  # replaced under this mark: its roots and records were stale
+                raise _RegistryMoved() from None
             if self.generation is not None:
                 with self.store.index.read() as txn:
                     if self.store.index.generation(txn) != self.generation:
@@ -306,7 +312,7 @@ def _sweep_once(store, report: GcReport, *, dry_run: bool, ignore_roots: set[byt
             progress("sweep", done, len(todo))
     if report.deferred is None:
         _remove_superseded_files(store, report, on_disk & records.keys())
-        report.packs_held = len(compact_packs(store, report, budget=space_budget))
+        report.packs_held = len(compact_packs(store, report, budget=space_budget, marked=(marker.live, head)))
     files.sync()
     with index.read() as txn:
         waiting = why_wait(store, txn)
@@ -457,7 +463,24 @@ def _delete(store, txn, key: bytes, report: GcReport, has_file: bool) -> int:
     return rec.stored_size if rec is not None and size else size
 
 
-def compact_packs(store, report: GcReport, only=None, budget: bool = True) -> set[bytes]:
+def _marked_now(store) -> tuple[set[bytes], int]:
+    """What the committed checkpoints need now, and the record log entry that mark saw: for a
+    compaction outside a sweep (a writer's, after its recode). CasError when it cannot tell."""
+    store.ensure_cache()
+    with store.index.read() as txn:
+        generation = store.index.generation(txn)
+        roots = [ck.key for ck in store.registry.all(txn)]
+        head, _ = store.registry.head(txn)
+    marker = Marker(store, generation)
+    try:
+        marker.mark(roots)
+    except _RegistryMoved:
+        raise CasError("packs were not compacted: checkpoints changed while they were marked") from None
+    return marker.live, head
+
+
+def compact_packs(store, report: GcReport, only=None, budget: bool = True,
+                  marked: tuple[set[bytes], int] | None = None) -> set[bytes]:
     """Remove packs no record points to, then rewrite packs that hold dead entries so that only
     live objects stay on disk. A pack with an entry held by a writer in progress is left alone:
     it may be that writer's own pack, not yet committed. Rewrites are planned against the free
@@ -471,8 +494,15 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True) -> se
     packs of the save before anywhere from all dead to mostly live; the half rule alone left a
     store with deltas about a tenth larger on disk than its live bytes).
     `only`: these packs alone (those a recode left dead entries in), where they still exist.
+    An entry no record places in its pack is dead only if no checkpoint needs it or a record
+    places it elsewhere: records can be lost (an index deleted under a writer, two processes
+    writing it through different lock files), and a pack whose entries a checkpoint needs and
+    no record names elsewhere stays. `marked`: (the live objects, the record log entry the mark
+    saw) of the sweep calling; outside one, a mark is made first, and a pack is left alone once
+    the log moved past that entry (a new checkpoint the mark did not see).
     Returns the packs left alone for a writer in progress (or a gc to wait for), to try again."""
     packs, index = store.objects.packs, store.index
+    live_now, head_seen = marked if marked is not None else _marked_now(store)
     index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
     kept: dict[bytes, tuple[int, int]] = {}  # pack -> (live bytes, size): no rule rewrites it (yet)
@@ -498,6 +528,12 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True) -> se
                 continue
             if why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
                 busy.add(pack)
+                continue
+            if any(k not in recs and k in live_now and index.record(txn, k) is None for k in entries):
+                report.unrecorded_packs.append(pack.hex())  # the index lost them: a gc rebuilds it
+                continue
+            if marked is None and store.records.exists(head_seen + 1):
+                busy.add(pack)  # a checkpoint committed since the mark may need its entries
                 continue
             size = packs.size(pack) or 0
             used = PACK_HEADER + sum(PACK_ENTRY_HEADER + rec.stored_size for rec in recs.values())

@@ -7,6 +7,7 @@ still there, loads bit for bit, and that gc frees nothing a checkpoint needs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -978,6 +979,152 @@ def test_a_recode_over_an_index_deleted_under_it_commits_nothing_and_loses_nothi
         for step, w in ((1, w1), (2, w2), (3, w3)):
             assert torch.equal(other.load(step)["w"], w)
         assert other.verify().ok
+
+
+def test_a_writer_whose_index_lock_file_is_replaced_reopens_the_index_before_it_commits(tmp_path):
+    """The soak deletes index/data.mdb, then index/lock.mdb, under running writers. A process
+    that opened the index between the two shares the new data file with every process that
+    opens it after, but took LMDB's writer lock in the deleted lock file: its commits and
+    theirs run at once, and one overwrites the other (stop 40: a committed save lost its
+    records, then a compaction its pack); here LMDB aborted the process. A lock file replaced
+    under a writer now counts as an index replaced: its commits are refused and it opens the
+    index at the path again (LMDB will not open the same data file twice in a process, so that
+    open moves the index aside and builds another from the store, which every other process
+    then opens in turn), never writing beside the others under another lock."""
+    import threading
+
+    from cas import faults
+
+    path, gate, ready, go = tmp_path / "s", tmp_path / "gate", tmp_path / "ready", tmp_path / "go"
+    store = cas.open(path, chunk_size=64 << 10)
+    store.save({"w": torch.randn(64, 256)}, step=1)
+    os.unlink(path / "index" / "data.mdb")
+    between = subprocess.Popen([sys.executable, "-c", (  # opens the index between the two deletions
+        "import os, sys, time, torch, cas\n"
+        "s = cas.open(sys.argv[1], chunk_size=64 << 10)\n"
+        "open(sys.argv[2], 'w').close()\n"
+        "while not os.path.exists(sys.argv[3]): time.sleep(0.02)\n"
+        "s.save({'w': torch.randn(64, 256)}, step=3)\n"
+        "s.close()\n"), str(path), str(ready), str(go)], stderr=subprocess.PIPE, text=True)
+    outcome: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline and between.poll() is None, between.stderr.read() if between.poll() else ""
+            time.sleep(0.02)
+        os.unlink(path / "index" / "lock.mdb")
+        faults.configure(f"commit.in_txn=pause:{gate}@1")  # this process's next commit waits inside its transaction
+
+        def save() -> None:
+            try:
+                outcome.append(store.save({"w": torch.randn(64, 256)}, step=2))
+            except Exception as exc:  # noqa: BLE001 - the finding
+                outcome.append(exc)
+        saving = threading.Thread(target=save)
+        saving.start()
+        while not os.path.exists(f"{gate}.reached"):
+            assert time.monotonic() < deadline and saving.is_alive()
+            time.sleep(0.02)
+        go.touch()  # the other commit, while this one is inside its transaction
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            between.wait(timeout=8)  # (it waits for this one's writer lock now: it ends after the gate)
+        gate.touch()
+        saving.join(timeout=120)
+        assert between.wait(timeout=120) == 0, between.stderr.read()
+    finally:
+        faults.configure("")
+        if between.poll() is None:
+            between.kill()
+    assert not isinstance(outcome[0], Exception), outcome[0]
+    store.close()
+    with cas.open(path, chunk_size=64 << 10) as fresh:
+        from test_gc import reachable
+        need = reachable(fresh, [1, 2, 3])
+        with fresh.index.read() as txn:
+            unrecorded = [k.hex()[:16] for k in need if fresh.index.record(txn, k) is None]
+        assert not unrecorded and [ck.step for ck in fresh.checkpoints()] == [1, 2, 3], unrecorded
+        assert fresh.verify().ok
+
+
+@pytest.mark.parametrize("compaction", ["after_recode", "reclaim"])
+def test_compaction_after_a_save_never_drops_a_pack_whose_records_the_index_lost(tmp_path, compaction):
+    """Found by the 600 s soak (stop 40: a committed checkpoint lost its manifest node): the
+    index lost the records of a committed save's pack (an LMDB commit lost when two processes
+    wrote one index through different lock files, after its lock file was deleted under them),
+    and a writer's compaction after its recode, which went by the records alone with no mark,
+    removed that pack as one "no record points to". Compaction outside a sweep now marks
+    first: a pack with an entry some checkpoint needs and no record names elsewhere stays."""
+    from cas.gc import GcReport
+    from cas.gc.collect import compact_packs
+    from cas.index import WHERE_PACK
+
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        store.save({"w": torch.randn(64, 256), "n": 1}, step=1)
+        store.save({"w": torch.randn(64, 256), "n": 2}, step=2)
+        store.wait()
+        step2 = reachable_keys(store, 2) - reachable_keys(store, 1)
+        with store.index.write() as txn:  # the records of step 2's objects are lost
+            records = dict(store.index.iter_records(txn))
+            packs = {rec.pack for rec in records.values() if rec.where == WHERE_PACK}
+            lost = {records[k].pack for k in step2 if records[k].where == WHERE_PACK}
+            assert lost
+            for key in step2:
+                txn.delete(key, db=store.index.db("objects"))
+        if compaction == "after_recode":
+            store.after_recode(packs)
+        else:
+            compact_packs(store, GcReport())
+        assert all(store.objects.packs.size(p) is not None for p in lost)
+    with cas.open(path, chunk_size=64 << 10) as store:
+        assert store.load(2)["n"] == 2 and store.verify().ok
+
+
+def reachable_keys(store, step: int) -> set[bytes]:
+    from test_gc import reachable
+
+    return reachable(store, [step])
+
+
+def test_a_gc_whose_index_is_replaced_while_it_marks_opens_it_again_and_marks_anew(tmp_path):
+    """Found by the 600 s soak (stops 39 and 40): a gc marking from an index that another process
+    replaced under it (deleted, then rebuilt from the store) read roots and node records that
+    were no longer the store's: a checkpoint another gc had removed and swept meanwhile. Its
+    node was gone, the orphaned index's generation never moved, so gc stopped with "a manifest
+    node is unreadable ... run cas verify" on a sound store. It now opens the index at the path
+    again and marks anew."""
+    import threading
+
+    from cas import faults
+
+    path, gate = tmp_path / "s", tmp_path / "gate"
+    store = cas.open(path)
+    for step in (1, 2):
+        store.save({"w": torch.full((1000,), float(step))}, step=step)
+    faults.configure(f"gc.marking=pause:{gate}@1")  # the first node it marks: step 2's commit
+    outcome: list = []
+
+    def collect() -> None:
+        try:
+            outcome.append(store.gc())
+        except Exception as exc:  # noqa: BLE001 - what the gc raised is the finding
+            outcome.append(exc)
+    marking = threading.Thread(target=collect)
+    try:
+        marking.start()
+        _delete_the_index_once_paused(path, gate)
+        with cas.open(path) as other:  # a new index at the path, rebuilt from the store
+            other.delete([1])
+            other.gc()  # step 1's nodes go
+        gate.touch()
+        marking.join(timeout=120)
+    finally:
+        faults.configure("")
+    assert not isinstance(outcome[0], Exception), outcome[0]
+    store.close()
+    with cas.open(path) as other:
+        assert [ck.step for ck in other.checkpoints()] == [2]
+        assert torch.equal(other.load(2)["w"], torch.full((1000,), 2.0)) and other.verify().ok
 
 
 def test_a_save_whose_index_is_deleted_under_it_opens_the_index_again_and_commits(tmp_path):
