@@ -175,12 +175,15 @@ class CacheKeeping:
         self.registry = Registry(self.index, self.path, self.records, self._rebuild, sealer=self.location.keys)
 
     def _see_other_commits(self) -> None:
-        """Before the registry is read for a caller: a cache of this process's own first folds
-        what other hosts or processes committed since it last looked (one HEAD of the next log
-        entry when there is nothing), so a host polling a bucket sees their new checkpoints, as
-        a local store's readers do. Saves, gc and the store's own bookkeeping check the cache
-        where they need it (ensure_cache)."""
-        if not self._cache_is_own() or self.registry.log is None:
+        """Before the registry is read for a caller: the cache first folds what other hosts or
+        processes committed to the record log since it last looked (one stat, or HEAD, of the
+        next log entry when there is nothing), so a host polling a bucket sees their new
+        checkpoints. A local store's shared cache is kept current by every commit, but not by
+        one whose writer was killed between its log entry and its index transaction, or whose
+        transaction went into an index replaced under it: exists() said False for a step that
+        save() then found committed (the soak of stop 40). Saves, gc and the store's own
+        bookkeeping check the cache where they need it (ensure_cache)."""
+        if self.registry.log is None:
             return
         with self.index.read() as txn:
             seq, _ = self.registry.head(txn)

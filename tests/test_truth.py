@@ -1046,6 +1046,29 @@ def test_a_writer_whose_index_lock_file_is_replaced_reopens_the_index_before_it_
         assert fresh.verify().ok
 
 
+def test_an_open_store_sees_a_commit_whose_writer_died_before_its_index_transaction(tmp_path):
+    """A writer killed between its record log entry (the commit) and its index transaction
+    leaves the shared index a commit behind. A store opened before that saw only the index:
+    exists() said False for a step that save() then refused as committed (the soak of stop 40,
+    a writer resuming after its predecessor's kill). Reads of the registry now fold the log
+    first when it is ahead (one stat)."""
+    path = tmp_path / "s"
+    store = cas.open(path)
+    store.save({"w": torch.zeros(10)}, step=1)
+    env = dict(os.environ, CAS_FAULTS="registry.logged=kill")
+    killed = subprocess.run([sys.executable, "-c", (
+        "import sys, torch, cas\n"
+        "cas.open(sys.argv[1]).save({'w': torch.ones(10)}, step=2)\n"), str(path)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    try:
+        assert store.exists(2)
+        assert [ck.step for ck in store.checkpoints()] == [1, 2]
+        assert torch.equal(store.load(2)["w"], torch.ones(10))
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("compaction", ["after_recode", "reclaim"])
 def test_compaction_after_a_save_never_drops_a_pack_whose_records_the_index_lost(tmp_path, compaction):
     """Found by the 600 s soak (stop 40: a committed checkpoint lost its manifest node): the
