@@ -181,9 +181,10 @@ class CacheKeeping:
         checkpoints. A local store's shared cache is kept current by every commit, but not by
         one whose writer was killed between its log entry and its index transaction, or whose
         transaction went into an index replaced under it: exists() said False for a step that
-        save() then found committed (the soak of stop 40). Saves, gc and the store's own
-        bookkeeping check the cache where they need it (ensure_cache)."""
-        if self.registry.log is None:
+        save() then found committed (the soak of stop 40); a read-only open of a shared cache,
+        which cannot write it, reads it as it is. Saves, gc and the store's own bookkeeping
+        check the cache where they need it (ensure_cache)."""
+        if self.registry.log is None or (self.readonly and not self._cache_is_own()):
             return
         with self.index.read() as txn:
             seq, _ = self.registry.head(txn)
