@@ -498,11 +498,13 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True,
     places it elsewhere: records can be lost (an index deleted under a writer, two processes
     writing it through different lock files), and a pack whose entries a checkpoint needs and
     no record names elsewhere stays. `marked`: (the live objects, the record log entry the mark
-    saw) of the sweep calling; outside one, a mark is made first, and a pack is left alone once
-    the log moved past that entry (a new checkpoint the mark did not see).
+    saw) of the sweep calling; outside one, a mark is made the first time a pack has entries no
+    record names anywhere (swept, or lost), and such a pack is left alone once the log moved
+    past that mark (a new checkpoint the mark did not see). After a recode, whose superseded
+    entries have records elsewhere, none is needed.
     Returns the packs left alone for a writer in progress (or a gc to wait for), to try again."""
     packs, index = store.objects.packs, store.index
-    live_now, head_seen = marked if marked is not None else _marked_now(store)
+    live_now, head_seen = marked if marked is not None else (None, 0)  # (marked when first needed)
     index.reader_check()  # a dead reader's slot would keep every page this gc frees from reuse
     rewrite: dict[bytes, list[bytes]] = {}
     kept: dict[bytes, tuple[int, int]] = {}  # pack -> (live bytes, size): no rule rewrites it (yet)
@@ -521,30 +523,26 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True,
             continue  # nothing dead in it: nothing to do, held or not
         if not packs.footer_trusted(pack):
             continue  # its list of entries is damaged: a live entry may look dead (verify's business)
-        with index.write() as txn:
-            recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
-            live = list(recs)
-            if live and len(live) == len(entries):
-                continue
-            if why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
-                busy.add(pack)
-                continue
-            if any(k not in recs and k in live_now and index.record(txn, k) is None for k in entries):
-                report.unrecorded_packs.append(pack.hex())  # the index lost them: a gc rebuilds it
-                continue
-            if marked is None and store.records.exists(head_seen + 1):
-                busy.add(pack)  # a checkpoint committed since the mark may need its entries
-                continue
-            size = packs.size(pack) or 0
-            used = PACK_HEADER + sum(PACK_ENTRY_HEADER + rec.stored_size for rec in recs.values())
-            if not live:
-                report.reclaimed_bytes += size
-                packs.delete(pack)
-                report.packs_removed += 1
-            elif size <= PACK_TARGET or used < REWRITE_BELOW * size:
-                rewrite[pack] = live
-            else:
-                kept[pack], unlisted[pack] = (used, size), live
+        while True:
+            with index.write() as txn:
+                recs = {k: rec for k in entries if (rec := index.record(txn, k)) is not None and rec.pack == pack}
+                live = list(recs)
+                if live and len(live) == len(entries):
+                    break
+                if why_wait(store, txn) or not set(entries).isdisjoint(index.held_keys(txn)):
+                    busy.add(pack)
+                    break
+                # entries no record names anywhere: swept by gc, or lost by the index (see above)
+                unrecorded = [k for k in entries if k not in recs and index.record(txn, k) is None]
+                if not unrecorded or live_now is not None:
+                    if any(k in live_now for k in unrecorded):
+                        report.unrecorded_packs.append(pack.hex())  # the index lost them: a gc rebuilds it
+                    elif unrecorded and marked is None and store.records.exists(head_seen + 1):
+                        busy.add(pack)  # a checkpoint committed since the mark may need its entries
+                    else:
+                        _compact_one(store, pack, recs, report, rewrite, kept, unlisted)
+                    break
+            live_now, head_seen = _marked_now(store)  # (once, outside the transaction: it reads the store)
     if only is None and budget:
         for pack in most_dead_first(kept):
             rewrite[pack] = unlisted[pack]
@@ -562,6 +560,24 @@ def compact_packs(store, report: GcReport, only=None, budget: bool = True,
         faults.point("gc.repack")
         _rewrite_pack(store, pack, rewrite[pack], report)
     return busy
+
+
+def _compact_one(store, pack: bytes, recs: dict, report: GcReport, rewrite: dict, kept: dict, unlisted: dict) -> None:
+    """What compact_packs does with a pack holding dead entries (`recs`: its live ones): delete
+    it when none is live, plan its rewrite when small or mostly dead, else keep it for the
+    space budget's rule."""
+    packs = store.objects.packs
+    size = packs.size(pack) or 0
+    used = PACK_HEADER + sum(PACK_ENTRY_HEADER + rec.stored_size for rec in recs.values())
+    live = list(recs)
+    if not live:
+        report.reclaimed_bytes += size
+        packs.delete(pack)
+        report.packs_removed += 1
+    elif size <= PACK_TARGET or used < REWRITE_BELOW * size:
+        rewrite[pack] = live
+    else:
+        kept[pack], unlisted[pack] = (used, size), live
 
 
 def _repack_sizes(store, pack: bytes, live: list[bytes]) -> tuple[int, int]:
