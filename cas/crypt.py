@@ -54,9 +54,9 @@ def plain_blob(name: str) -> bool:
     return name == "config" or name.startswith((KEYS_PREFIX, REMOVING_PREFIX, "leases/"))
 
 
-def _body_plain(sealed: int, segment: int) -> int:
-    """The plain bytes of `sealed` bytes of whole segments (the last possibly short)."""
-    return max(0, sealed - TAG * -(-sealed // (segment + TAG)))
+def _output(buffer: Buffer | None, nbytes: int) -> memoryview:
+    """Where a read's plain bytes go: the caller's buffer, else a new one."""
+    return fresh(nbytes) if buffer is None else buffer(max(nbytes, 1))[:nbytes]
 
 
 def _aad(name: str) -> bytes:
@@ -224,7 +224,7 @@ class EncryptedBackend:
                 if name in self.mended and bytes(sealed) != self.mended[name]:
                     sealed = self.mended[name]
                 size = plain_size(len(sealed), self.segment)
-                out = buffer(max(size, 1))[:size] if buffer is not None else fresh(size)
+                out = _output(buffer, size)
                 try:
                     self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
                                         memoryview(out), whole=True)
@@ -286,7 +286,7 @@ class EncryptedBackend:
         clen = (last - first + 1) * (seg + TAG)
         sealing = self._salts.get(name)
         if sealing is not None and length <= seg and not self._opened.bypassing():
-            into = fresh(length) if buffer is None else buffer(max(length, 1))[:length]
+            into = _output(buffer, length)
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
         for attempt in range(2):
@@ -306,12 +306,10 @@ class EncryptedBackend:
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
                 skip = start - first * seg
                 if length >= seg:  # a large object: every covering segment decrypts in place, edges too
-                    span = _body_plain(len(body), seg)
-                    into = fresh(span) if buffer is None else buffer(max(span, 1))[:span]
+                    into = _output(buffer, plain_size(HEADER + len(body), seg))
                     at, skip = skip, 0
                 else:
-                    into = fresh(length) if buffer is None else buffer(max(length, 1))[:length]
-                    at = 0
+                    into, at = _output(buffer, length), 0
                 try:
                     n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip)
                 except CorruptionError:
