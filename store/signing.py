@@ -14,7 +14,8 @@ import os
 
 import msgpack
 
-from cas.errors import CasError
+from cas import faults
+from cas.errors import CasError, CheckpointNotFoundError
 
 from .registry import differences, fold_records
 
@@ -136,11 +137,20 @@ def problem(change: dict | None, public_key: bytes) -> str | None:
     return None
 
 
+def _changed_since_listed(store, ck) -> bool:
+    try:
+        return store.get(ck.step).key != ck.key
+    except CheckpointNotFoundError:
+        return True
+
+
 def check_store(store, public_key) -> dict[int, str]:
     """step -> problem for every checkpoint of the store that is not signed by `public_key` as
     its record now stands (read from the record log, the store's truth), or whose record as
     the index serves it (to `cas ls`, `show`, loads) is not the signed one."""
     expected = public_key_bytes(public_key)
+    listed = store.checkpoints()  # before the log: a save commits its log entry first, so each one is in it
+    faults.point("signatures.listed")
     adds: dict[int, dict] = {}
     entries = list(store.records.entries())
     for entry in entries:
@@ -151,8 +161,10 @@ def check_store(store, public_key) -> dict[int, str]:
                 adds.pop(change["step"], None)
     truth = fold_records(entries, store.path)
     out = {}
-    for ck in store.checkpoints():
+    for ck in listed:
         change = adds.get(ck.step)
+        if (change is None or bytes(change["id"]) != ck.key) and _changed_since_listed(store, ck):
+            continue  # removed or replaced by another process meanwhile: no longer the store's
         if change is None or bytes(change["id"]) != ck.key:
             out[ck.step] = "its record is not in the record log"
             continue

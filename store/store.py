@@ -508,10 +508,14 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         With no step, also read the whole record log and check the index's registry against it.
         What it finds is recorded in the index, so saves write those objects again and
         `cas repair` quarantines them. `progress(phase, done, total)` is called once per
-        checkpoint."""
+        checkpoint. A checkpoint another process removes meanwhile is not checked, and its
+        swept objects are no damage (report.removed_checkpoints)."""
         self._check_open()
         cks = [self.resolve(step)] if step is not None else self.checkpoints()
         report = verify_checkpoints(self, cks, quick=quick, progress=progress)
+        if step is not None and report.removed_checkpoints:
+            raise CheckpointNotFoundError(f"checkpoint step {step} was removed from the store at {self.path} while "
+                                          "it was verified")
         if step is None:  # the whole store: its record log and the registry folded from it too
             report.problems[:0] = config_problems(self) + registry_problems(self)
         return report

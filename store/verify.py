@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from cas import faults
 from cas.codecs import parse_header
 from cas.crypt import reading_from_disk
-from cas.errors import CasError, CorruptionError, MissingObjectError
+from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
 
@@ -55,6 +56,9 @@ class VerifyReport:
     checked_stored_bytes: int = 0  # their stored bytes, with the nodes' and bases'
     problems: list[Problem] = field(default_factory=list)
     recorded: list[str] = field(default_factory=list)  # objects now recorded as damaged (hex keys)
+    # listed when the verify began, then removed (rm, gc, retention of another process) before
+    # or while it checked them: not checked, and what their objects' removal looked like is no damage
+    removed_checkpoints: list[int] = field(default_factory=list)
     read_only: bool = False  # the store was open read-only: nothing could be recorded
 
     @property
@@ -239,6 +243,22 @@ def _count_nodes_and_bases(store, report: VerifyReport, checkpoints, sound: list
             report.checked_stored_bytes += rec.stored_size if rec is not None else 0
 
 
+def _drop_removed(store, report: VerifyReport, checkpoints) -> None:
+    """A checkpoint with problems that is no longer in the store as it was listed (another
+    process removed it, and its gc may have swept its objects while this verify read them) is
+    moved to `removed_checkpoints` with its problems: the objects only it needed went by design.
+    A checkpoint still there keeps every problem, even of objects it shares with a removed one."""
+    damaged = set(report.damaged_steps)
+    if not damaged:
+        return
+    now = {ck.step: ck.key for ck in store.checkpoints()}
+    gone = {ck.step for ck in checkpoints if ck.step in damaged and now.get(ck.step) != ck.key}
+    if gone:
+        report.problems = [p for p in report.problems if p.step not in gone]
+        report.checked_checkpoints = [s for s in report.checked_checkpoints if s not in gone]
+        report.removed_checkpoints = sorted({*report.removed_checkpoints, *gone})
+
+
 def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
     """Check every object the checkpoints need as it is on disk now (in an encrypted store, no
     segment this process opened before answers for it: crypt.reading_from_disk)."""
@@ -269,16 +289,27 @@ def _verify_checkpoints(store, checkpoints, *, quick: bool, progress) -> VerifyR
     for i, ck in enumerate(checkpoints):
         if progress:
             progress("verify", i, len(checkpoints))
-        report.checked_checkpoints.append(ck.step)
+        faults.point("verify.checkpoint")
         try:
-            for tensor in store.tensors(ck.step):
-                for key, span in zip(tensor["chunks"], tensor["spans"]):
-                    err = check(key, span)
-                    if err is not None:
-                        report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
+            tensors = store.tensors(ck.step)
+        except CheckpointNotFoundError:
+            report.removed_checkpoints.append(ck.step)
+            continue
         except CorruptionError as exc:  # a manifest node is damaged: the rest of this tree is unreachable
+            report.checked_checkpoints.append(ck.step)
             report.problems.append(Problem(exc.key, ck.step, exc.path, exc.detail + "; the checkpoint cannot be read"))
-    _count_nodes_and_bases(store, report, checkpoints, [key for key, err in verdict.items() if err is None])
+            continue
+        report.checked_checkpoints.append(ck.step)
+        faults.point("verify.tree_read")
+        for tensor in tensors:
+            for key, span in zip(tensor["chunks"], tensor["spans"]):
+                err = check(key, span)
+                if err is not None:
+                    report.problems.append(Problem(err.key, ck.step, tensor["path"], err.detail))
+    _drop_removed(store, report, checkpoints)
+    checked = set(report.checked_checkpoints)
+    _count_nodes_and_bases(store, report, [ck for ck in checkpoints if ck.step in checked],
+                           [key for key, err in verdict.items() if err is None])
     if not quick:
         _clear_damage(store, [key for key, err in verdict.items() if err is None])
     report.recorded = record_damage(store, [p.key for p in report.problems], "verify --quick" if quick else "verify")

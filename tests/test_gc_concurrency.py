@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import tmp_files
+from helpers import assert_same, tmp_files, wait_for
 from test_gc import assert_exactly_reachable
 from workers import nudged, state_of, tensor, trajectory
 
@@ -384,3 +385,39 @@ def test_retention_decides_on_the_registry_it_removes_from(tmp_path, monkeypatch
         collector.join(30)
         marker.join(30)
         assert outcome == ["gone"] or (outcome == ["set"] and store.exists(2)), (outcome, store.exists(2))
+
+
+@pytest.mark.parametrize("point,quick", [("verify.checkpoint", False), ("verify.tree_read", False),
+                                         ("verify.tree_read", True)])
+def test_a_verify_finds_no_damage_in_a_checkpoint_another_process_removes_while_it_runs(tmp_path, point, quick):
+    """`cas verify` listed three checkpoints; while it paused at the second, another process
+    removed that one and collected its objects. Before its tree was read (verify.checkpoint)
+    the verify stopped with "no checkpoint with step 2" (exit 2); after (verify.tree_read) it
+    reported the swept chunks missing, exit 1, and recorded them as damage. Now it checks the
+    other two, names step 2 as removed meanwhile, and exits 0 with nothing recorded."""
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        for step in (1, 2, 3):
+            store.save({"own": tensor(step), "shared": tensor(0)}, step=step)
+    gate = tmp_path / "gate"
+    env = dict(os.environ, CAS_FAULTS=f"{point}=pause:{gate}@2")
+    verify = subprocess.Popen([sys.executable, "-m", "cas.cli", "--store", str(path), "verify", "--json",
+                               *(["--quick"] if quick else [])], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(f"{gate}.reached")
+        with cas.open(path) as store:
+            assert [ck.step for ck in store.delete([2])] == [2]
+            assert store.gc().objects_swept > 0  # step 2's own chunks are gone from the disk
+    finally:
+        gate.touch()
+    out, err = verify.communicate(timeout=120)
+    assert verify.returncode == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] and report["problems"] == [] and report["recorded_damaged"] == []
+    assert report["checked_checkpoints"] == [1, 3] and report["removed_checkpoints"] == [2]
+    with cas.open(path) as store:
+        with store.index.read() as txn:
+            assert not store.index.any_damaged(txn)
+        assert store.verify().ok
+        assert_same(store.load(3), {"own": tensor(3), "shared": tensor(0)})

@@ -137,6 +137,38 @@ def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_pa
     assert "\nUNSIGNED: " in bad.stdout and "\nok" not in bad.stdout  # the summary line does not read as a pass
 
 
+def test_checking_signatures_while_another_process_saves_and_removes_finds_nothing_unsigned(tmp_path):
+    """`cas verify --signatures` read the record log, then listed the checkpoints; a signed save
+    committed between the two was listed without its log entry: "its record is not in the
+    record log". Now it lists first, and one removed (or replaced) after the listing is skipped
+    as no longer the store's. Another process saves step 4 and removes step 2 while it pauses."""
+    import time
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    pub = public_pem(key, tmp_path / "key.pub")
+    with cas.open(tmp_path / "s", signing_key=key) as store:
+        for step in (1, 2, 3):
+            store.save({"w": torch.full((4,), float(step))}, step=step)
+    gate = tmp_path / "gate"
+    check = subprocess.Popen([sys.executable, "-m", "cas.cli", "--store", str(tmp_path / "s"), "verify",
+                              "--signatures", pub, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, CAS_FAULTS=f"signatures.listed=pause:{gate}"))
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{gate}.reached") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with cas.open(tmp_path / "s", signing_key=key) as store:
+            store.save({"w": torch.full((4,), 4.0)}, step=4)
+            store.delete([2])
+    finally:
+        gate.touch()
+    out, err = check.communicate(timeout=120)
+    assert check.returncode == 0, out + err
+    assert json.loads(out)["unsigned"] == {}
+    ok = cli("verify", "--signatures", pub, path=tmp_path / "s")
+    assert ok.returncode == 0 and "signatures ok" in ok.stdout, ok.stdout + ok.stderr
+
+
 def test_a_nan_metric_or_meta_value_is_neither_damage_nor_a_broken_signature(tmp_path):
     """A diverged run logs a NaN loss; NaN is not == itself, which made verify call the record in
     the index different from the log's, and signature checks call it not the signed one."""

@@ -181,6 +181,7 @@ def cmd_verify(store, args) -> int:
                     "checked_stored_bytes": report.checked_stored_bytes,
                     "problems": [vars(p) for p in report.problems], "damaged_steps": report.damaged_steps,
                     "recorded_damaged": report.recorded, "payloads_checked": not report.quick,
+                    "removed_checkpoints": report.removed_checkpoints,
                     **({"signatures_checked": True, "unsigned": {str(s): w for s, w in unsigned.items()}}
                        if args.signatures else {})})
         return EXIT_OK if ok else EXIT_PROBLEM
@@ -208,6 +209,9 @@ def _verify_notes(report) -> list[str]:
     if report.quick:
         notes.append("quick: presence, sizes and headers only; a damaged payload passes (run `cas verify` "
                      "without --quick to decode every object)")
+    if report.removed_checkpoints:
+        notes.append(f"{len(report.removed_checkpoints)} checkpoints were removed while this verify ran (steps "
+                     f"{report.removed_checkpoints}): not checked, and the objects only they needed are no damage")
     if report.recorded:
         notes.append(f"recorded {len(report.recorded)} damaged objects: saves write them again instead of "
                      "reusing them; `cas repair` moves them to quarantine/")
