@@ -30,7 +30,8 @@ from .backend import Buffer, Staged
 from .bitrot import first_fix
 from .buffers import POOL as _POOL
 from .buffers import copy_bytes, fresh
-from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Pieces, SealedStream,  # noqa: F401
+from . import slots
+from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Layout, Pieces, SealedStream,  # noqa: F401
                        nonce, plain_size, sealed_size, segment_at)
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
@@ -77,9 +78,11 @@ def _key_of(name: str) -> str | None:
 class EncryptedBackend:
     """A backend whose blobs are sealed (module docstring); everything else is the inner one's."""
 
-    def __init__(self, inner, keys: StoreKeys, *, streams: bool = True, segment: int = SEGMENT) -> None:
+    def __init__(self, inner, keys: StoreKeys, *, streams: bool = True, segment: int = SEGMENT,
+                 split: bool = True) -> None:
         self.inner = inner
         self.segment = segment  # plaintext bytes per sealed segment (the store's scheme: cas/keys.py)
+        self.layout = Layout(segment, split)  # split: scheme 4 (cas/slots.py)
         self.keys = keys
         self.namer = keys.namer
         self.capabilities = inner.capabilities
@@ -100,10 +103,10 @@ class EncryptedBackend:
     def seal(self, name: str, parts: Iterable, into=None) -> memoryview:
         """The sealed bytes of a blob, in `into` (a buffer of the pool, given back by the caller
         once the inner write consumed them) or a new one."""
-        pieces, seg = Pieces(parts), self.segment
+        pieces, seg, layout = Pieces(parts), self.segment, self.layout
         total = pieces.total
         nseg = max(1, -(-total // seg))
-        size = HEADER + total + TAG * nseg
+        size = layout.sealed_size(total)
         out = (memoryview(into) if into is not None and len(into) >= size else fresh(size))[:size]
         salt = os.urandom(SALT)
         out[:len(BLOB_MAGIC)] = BLOB_MAGIC
@@ -111,16 +114,21 @@ class EncryptedBackend:
         aead, aad = self.keys.blob_aead(salt), _aad(name)
         for i in range(nseg):
             lo, hi = i * seg, min(total, (i + 1) * seg)
-            at = segment_at(i, seg)
-            aead.seal_parts_into(nonce(i, i == nseg - 1), pieces.views(lo, hi) or [b""], aad,
-                                 out[at:at + hi - lo + TAG])
+            at = layout.at(i)
+            if layout.split:
+                slots.seal_slot(aead, aad, i, pieces, lo, hi, i == nseg - 1, out[at:at + hi - lo + layout.over])
+            else:
+                aead.seal_parts_into(nonce(i, i == nseg - 1), pieces.views(lo, hi) or [b""], aad,
+                                     out[at:at + hi - lo + TAG])
         return out
 
     def _open_stream(self, name_hint: str) -> "SealedStream":
         """A pack sealed as it is streamed (cas/packs.py PackStream): see SealedStream."""
         salt = os.urandom(SALT)
-        return SealedStream(self.inner.stream(name_hint), self.keys.blob_aead(salt), _stream_aad(name_hint), salt,
-                            self.segment)
+        inner, aead, aad = self.inner.stream(name_hint), self.keys.blob_aead(salt), _stream_aad(name_hint)
+        if self.layout.split:
+            return slots.SplitStream(inner, aead, aad, salt, self.layout)
+        return SealedStream(inner, aead, aad, salt, self.segment)
 
     def _damaged(self, name: str, why: str) -> CorruptionError:
         return CorruptionError(f"{name} fails its authentication check ({why}: damaged or tampered ciphertext)",
@@ -141,22 +149,25 @@ class EncryptedBackend:
         return sealing
 
     def _open_segments(self, name: str, sealing: tuple, body, first: int, out, *, whole: bool,
-                       skip: int = 0) -> int:
+                       skip: int = 0, want: tuple[int, int] | None = None) -> int:
         """Decrypt the segments in `body` (segment `first` onwards) and place their plain bytes
         from `skip` on into `out`, as far as it reaches; the plain length of `body` is returned.
         Segments inside the range decrypt straight into `out`; the edge ones are opened into
         the store's cache of recent segments, or found there: the small objects of a pack
         share them, whichever read thread reads them. With `whole`, body runs to the blob's
-        end, whose last segment must say it is the last."""
+        end, whose last segment must say it is the last. `want` (scheme 4, a large read into
+        whole segments): the plain bytes of `body` asked for; a split segment's message outside
+        them is not opened."""
         (salt, aad, _), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
         pos, plain, i = 0, 0, first
+        over = self.layout.over
         while pos < len(body) or (whole and pos == 0):
-            ct = body[pos:pos + seg + TAG]
-            if len(ct) < TAG:
+            ct = body[pos:pos + seg + over]
+            if len(ct) < over:
                 raise self._damaged(name, f"segment {i} is cut short")
-            n = len(ct) - TAG
+            n = len(ct) - over
             short = n < seg or (whole and pos + len(ct) == len(body))
             inside = skip <= plain and plain + n <= end
             lo = max(skip, plain)
@@ -166,17 +177,26 @@ class EncryptedBackend:
             if marked_last is None:
                 held = None if inside else _POOL.take(n)
                 dest = out[plain - skip:plain - skip + n] if inside else memoryview(held)[:n]
+                valid = (0, n)  # (the plain bytes of the segment opened)
                 try:
                     try:
-                        aead.decrypt_into(nonce(i, short), ct, aad, dest)
-                        marked_last = short
+                        if self.layout.split:
+                            p, marked_last = slots.open_split(aead, aad, i, ct, short, invalid)
+                            if p > n:
+                                raise invalid
+                            asked = (want[0] - plain, want[1] - plain) if inside and want is not None \
+                                else None if inside else (lo - plain, hi - plain)
+                            valid = slots.open_messages(aead, aad, i, ct, p, n, dest, asked)
+                        else:
+                            aead.decrypt_into(nonce(i, short), ct, aad, dest)
+                            marked_last = short
                     except invalid:
-                        if short or not self._try_last(aead, aad, ct, i, dest):
+                        if self.layout.split or short or not self._try_last(aead, aad, ct, i, dest):
                             raise self._damaged(name, f"segment {i}") from None
                         marked_last = True
                     if held is not None:
                         copy_bytes(out[lo - skip:hi - skip], dest[lo - plain:hi - plain])
-                        self._opened.put(sealing, i, held, n, marked_last)
+                        self._opened.put(sealing, i, held, n, marked_last, valid)
                         held = None
                 finally:
                     if held is not None:
@@ -203,7 +223,7 @@ class EncryptedBackend:
 
     def _sealed_write(self, write, name: str, parts: Iterable):
         parts = list(parts)
-        buf = _POOL.take(sealed_size(sum(memoryview(p).nbytes for p in parts), self.segment))
+        buf = _POOL.take(self.layout.sealed_size(sum(memoryview(p).nbytes for p in parts)))
         try:
             return write(name, [self.seal(name, parts, buf)])
         finally:
@@ -223,7 +243,7 @@ class EncryptedBackend:
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
                 if name in self.mended and bytes(sealed) != self.mended[name]:
                     sealed = self.mended[name]
-                size = plain_size(len(sealed), self.segment)
+                size = self.layout.plain_size(len(sealed))
                 out = _output(buffer, size)
                 try:
                     self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
@@ -252,7 +272,7 @@ class EncryptedBackend:
             return None
 
         def opens(candidate) -> bool:
-            out = memoryview(bytearray(plain_size(len(candidate), self.segment)))
+            out = memoryview(bytearray(self.layout.plain_size(len(candidate))))
             try:
                 self._open_segments(name, self._salt(name, bytes(candidate)), memoryview(candidate)[HEADER:], 0, out,
                                     whole=True)
@@ -280,10 +300,10 @@ class EncryptedBackend:
         if length <= 0:
             self.inner.get(name, 0, 0)  # absent or unreadable: said so
             return b"" if buffer is None else buffer(1)[:0]
-        seg = self.segment
+        seg, layout = self.segment, self.layout
         first, last = start // seg, (start + length - 1) // seg
-        cstart = segment_at(first, seg)
-        clen = (last - first + 1) * (seg + TAG)
+        cstart = layout.at(first)
+        clen = (last - first + 1) * (seg + layout.over)
         sealing = self._salts.get(name)
         if sealing is not None and length <= seg and not self._opened.bypassing():
             into = _output(buffer, length)
@@ -304,14 +324,14 @@ class EncryptedBackend:
                     if sealing is None:
                         sealing = self._salt(name, self.inner.get(name, 0, HEADER))
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
-                skip = start - first * seg
+                skip, want = start - first * seg, None
                 if length >= seg:  # a large object: every covering segment decrypts in place, edges too
-                    into = _output(buffer, plain_size(HEADER + len(body), seg))
-                    at, skip = skip, 0
+                    into = _output(buffer, layout.plain_size(HEADER + len(body)))
+                    at, skip, want = skip, 0, (skip, skip + length)  # (split ones: only what it asks for)
                 else:
                     into, at = _output(buffer, length), 0
                 try:
-                    n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip)
+                    n = self._open_segments(name, sealing, body, first, into, whole=False, skip=skip, want=want)
                 except CorruptionError:
                     if attempt == 0 and name in self._salts:  # the blob was replaced (a healed pack): read afresh
                         self._salts.pop(name, None)
@@ -326,24 +346,24 @@ class EncryptedBackend:
 
     def stat(self, name: str) -> int | None:
         size = self.inner.stat(name)
-        return size if size is None or plain_blob(name) else plain_size(size, self.segment)
+        return size if size is None or plain_blob(name) else self.layout.plain_size(size)
 
     def list(self, prefix: str) -> list[str]:
         return self.inner.list(prefix)
 
     def list_sizes(self, prefix: str) -> list[tuple[str, int]]:
-        return [(n, s if plain_blob(n) else plain_size(s, self.segment)) for n, s in self.inner.list_sizes(prefix)]
+        return [(n, s if plain_blob(n) else self.layout.plain_size(s)) for n, s in self.inner.list_sizes(prefix)]
 
     def peek(self, staged: Staged, nbytes: int) -> tuple[int, bytes]:
         if plain_blob(staged.name):
             return self.inner.peek(staged, nbytes)
         segs = max(1, -(-nbytes // self.segment))
-        size, head = self.inner.peek(staged, segment_at(segs, self.segment))
+        size, head = self.inner.peek(staged, self.layout.at(segs))
         sealing = self._salt(staged.name, head)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
         n = self._open_segments(staged.name, sealing, body, 0, memoryview(out), whole=len(head) == size)
-        return plain_size(size, self.segment), bytes(out[:min(n, nbytes)])
+        return self.layout.plain_size(size), bytes(out[:min(n, nbytes)])
 
     # --- writes ----------------------------------------------------------------------------
     def put_if_absent(self, name: str, parts: Iterable) -> bool:
@@ -453,7 +473,7 @@ class _OpenedSegments:
             return None
         with self._lock:  # (an entry is given back to the pool when evicted: never while copied from)
             entry = self._table.get((sealing, i))
-            if entry is None or entry[1] != n or (short and not entry[2]):
+            if entry is None or entry[1] != n or (short and not entry[2]) or not _holds(entry, at, at + len(dst)):
                 return None
             copy_bytes(dst, memoryview(entry[0])[at:at + len(dst)])
             return entry[2]
@@ -464,12 +484,13 @@ class _OpenedSegments:
         if self.bypassing():
             return False
         with self._lock:
-            parts = []
-            for i in (first, first + 1) if at + len(dst) > segment else (first,):
+            parts, lo, hi = [], at, at + len(dst)
+            for i in (first, first + 1) if hi > segment else (first,):
                 entry = self._table.get((sealing, i))
-                if entry is None:
+                if entry is None or not _holds(entry, max(lo, 0), min(hi, entry[1])):
                     return False
                 parts.append(memoryview(entry[0])[:entry[1]])
+                lo, hi = lo - segment, hi - segment
             if len(parts) == 2 and len(parts[0]) != segment:
                 return False
             pieces = Pieces(parts)
@@ -481,13 +502,14 @@ class _OpenedSegments:
                 done += len(part)
             return True
 
-    def put(self, sealing: tuple, i: int, buf, n: int, marked_last: bool) -> None:
-        """Keep segment i's n plain bytes, opened into `buf` (a pool buffer, this cache's now)."""
+    def put(self, sealing: tuple, i: int, buf, n: int, marked_last: bool, valid: tuple[int, int]) -> None:
+        """Keep segment i (n plain bytes, of which `valid` were opened: a split segment's
+        messages that a read needed) opened into `buf` (a pool buffer, this cache's now)."""
         with self._lock:
             old = self._table.pop((sealing, i), None)
             if old is not None:
                 self._drop(old)
-            self._table[(sealing, i)] = (buf, n, marked_last)
+            self._table[(sealing, i)] = (buf, n, marked_last, valid)
             self._bytes += len(buf)
             while len(self._table) > 1 and self._bytes > self.KEEP_BYTES:
                 self._drop(self._table.pop(next(iter(self._table))))  # the oldest (dicts keep insertion order)
@@ -495,6 +517,11 @@ class _OpenedSegments:
     def _drop(self, entry: tuple) -> None:
         self._bytes -= len(entry[0])
         _POOL.give(entry[0])
+
+
+def _holds(entry: tuple, lo: int, hi: int) -> bool:
+    """Whether a cached segment holds its plain bytes [lo, hi) opened."""
+    return entry[3][0] <= lo and hi <= entry[3][1]
 
 
 def reading_from_disk():
@@ -511,7 +538,7 @@ def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):
     store's sealing scheme (its config's), which says whether packs may be streamed."""
     if keys is None or isinstance(backend, EncryptedBackend):
         return backend
-    return EncryptedBackend(backend, keys, streams=version >= 2, segment=segment_of(version))
+    return EncryptedBackend(backend, keys, streams=version >= 2, segment=segment_of(version), split=version >= 4)
 
 
 def namer_of(backend) -> Namer:

@@ -45,9 +45,9 @@ SCRYPT_ENV = "CAS_SCRYPT_LOG_N"
 # with its own scheme (an older cas reads it). Why 1 MiB: each segment is one AES-GCM call, and
 # each call gives up the GIL and must take it back; with 64 KiB segments a 16-core load spent
 # twelve times the cipher's CPU time waiting for it (encrypted loads 2.4x plain ones).
-ENCRYPTION_VERSION = 3
-ENCRYPTION_VERSIONS = (1, 2, 3)
-SEGMENT = 1 << 20  # plaintext bytes per sealed segment of a blob in a version-3 store (cas/crypt.py)
+ENCRYPTION_VERSION = 4  # segments split where pack entries meet (cas/slots.py); 3: one message each
+ENCRYPTION_VERSIONS = (1, 2, 3, 4)
+SEGMENT = 1 << 20  # plaintext bytes per sealed segment of a blob in a version-3 or -4 store (cas/crypt.py)
 SEGMENT_V1 = 64 << 10  # and in a version-1 or -2 store
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterable
 
@@ -21,22 +22,46 @@ BLOB_MAGIC = b"casenc1\n"  # bound to its name
 STREAM_MAGIC = b"casenc2\n"  # streamed: bound to its folder (cas/crypt.py)
 SALT = 16
 HEADER = len(BLOB_MAGIC) + SALT
+SPLIT_OVER = 4 + 3 * TAG  # what a scheme-4 slot adds: its split message (4 bytes sealed) and two tags
 
 
-def sealed_size(plain: int, segment: int = SEGMENT) -> int:
-    return HEADER + plain + TAG * max(1, -(-plain // segment))
+def sealed_size(plain: int, segment: int = SEGMENT, over: int = TAG) -> int:
+    """A blob's sealed size from its plain one (`over`: the bytes sealing adds per segment)."""
+    return HEADER + plain + over * max(1, -(-plain // segment))
 
 
-def plain_size(sealed: int, segment: int = SEGMENT) -> int:
+def plain_size(sealed: int, segment: int = SEGMENT, over: int = TAG) -> int:
     body = sealed - HEADER
-    if body < TAG:
+    if body < over:
         return 0
-    return body - TAG * max(1, -(-body // (segment + TAG)))
+    return body - over * max(1, -(-body // (segment + over)))
 
 
-def segment_at(i: int, segment: int) -> int:
+def segment_at(i: int, segment: int, over: int = TAG) -> int:
     """Where segment i of a sealed blob starts."""
-    return HEADER + i * (segment + TAG)
+    return HEADER + i * (segment + over)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A store's sealed layout: plain bytes per segment (slot), and whether each is split where
+    entries meet (scheme 4: cas/slots.py, 52 bytes more per slot) or one message (16 more)."""
+
+    segment: int = SEGMENT
+    split: bool = True
+
+    @property
+    def over(self) -> int:
+        return SPLIT_OVER if self.split else TAG
+
+    def at(self, i: int) -> int:
+        return segment_at(i, self.segment, self.over)
+
+    def sealed_size(self, plain: int) -> int:
+        return sealed_size(plain, self.segment, self.over)
+
+    def plain_size(self, sealed: int) -> int:
+        return plain_size(sealed, self.segment, self.over)
 
 
 def nonce(i: int, last: bool) -> bytes:
@@ -51,6 +76,12 @@ class Pieces:
         self.parts = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
         self.starts = list(accumulate((len(v) for v in self.parts), initial=0))
         self.total = self.starts[-1]
+
+    def boundary_in(self, lo: int, hi: int) -> int:
+        """The first place strictly inside (lo, hi) where one part ends and the next begins; hi
+        when there is none."""
+        i = bisect.bisect_right(self.starts, lo)
+        return self.starts[i] if i < len(self.starts) and self.starts[i] < hi else hi
 
     def views(self, lo: int, hi: int) -> list[memoryview]:
         """Bytes [lo, hi) as views of the parts they lie in, in order (no copy)."""

@@ -471,14 +471,53 @@ def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
         store.load(1)
 
 
-SEGMENTS = [crypt.SEGMENT, crypt.SEGMENT_V1]  # new stores' and those of sealing schemes 1 and 2
+# new stores' layout (scheme 4: split slots), scheme 3's (whole 1 MiB segments), schemes 1 and 2's
+LAYOUTS = [crypt.Layout(crypt.SEGMENT, True), crypt.Layout(crypt.SEGMENT, False), crypt.Layout(crypt.SEGMENT_V1, False)]
 
 
 def _sizes(*multiples):
-    """(segment, size) pairs: sizes as (segments, bytes more) of each segment size, plus sizes read
+    """(layout, size) pairs: sizes as (segments, bytes more) of each layout, plus sizes read
     through a mapping."""
-    return [(seg, k * seg + extra) for seg in SEGMENTS for k, extra in multiples] + \
-        [(seg, 2 * MAP_FROM + 12345) for seg in SEGMENTS]
+    return [(lay, k * lay.segment + extra) for lay in LAYOUTS for k, extra in multiples] + \
+        [(lay, 2 * MAP_FROM + 12345) for lay in LAYOUTS]
+
+
+@pytest.mark.parametrize("version", [4, 3])
+def test_a_load_decrypts_each_pack_entry_without_its_neighbours_bytes(tmp_path, monkeypatch, version):
+    """Scheme 3 sealed a pack in 1 MiB segments, so a load decrypted each entry's first and last
+    segments whole, its neighbours' bytes with them: here a third more than the packs hold.
+    Scheme 4 splits a segment where entries meet, and a load of new stores decrypts each byte
+    of their packs about once; a scheme-3 store still loads, as before."""
+    from cas import keys
+
+    monkeypatch.setattr(keys, "ENCRYPTION_VERSION", version)
+    tensors = {f"t{i}": torch.frombuffer(bytearray(os.urandom(3_300_000)), dtype=torch.uint8).clone()
+               for i in range(6)}
+    with cas.open(tmp_path / "s", key=RAW_KEY, compress=False) as store:
+        store.save(tensors, step=1)
+        packs = sum(size for _, size in store.backend.list_sizes("packs/"))
+    decrypted = []
+    opened = crypt.StoreKeys.blob_aead
+
+    class Counting:
+        def __init__(self, cipher):
+            self.cipher = cipher
+
+        def decrypt_into(self, nonce, data, aad, out):
+            decrypted.append(len(data) - crypt.TAG)
+            return self.cipher.decrypt_into(nonce, data, aad, out)
+
+        def __getattr__(self, name):
+            return getattr(self.cipher, name)
+    monkeypatch.setattr(crypt.StoreKeys, "blob_aead", lambda self, salt: Counting(opened(self, salt)))
+    with cas.open(tmp_path / "s", key=RAW_KEY) as store:
+        assert store.config.encryption["version"] == version
+        out = store.load(1)
+    assert all(torch.equal(out[k], t) for k, t in tensors.items())
+    if version == 4:
+        assert sum(decrypted) <= packs * 1.01
+    else:
+        assert sum(decrypted) > packs * 1.2
 
 
 @pytest.mark.parametrize("cuts", [(), (0,), (1,), (15, 16, 17), (100, 4096, 4097, 70000), (65535,)])
@@ -499,17 +538,14 @@ def test_a_segment_sealed_from_several_buffers_is_the_one_shot_seal_of_their_byt
     assert bytes(out) == AESGCM(key).encrypt(nonce, data, aad)
 
 
-@pytest.mark.parametrize("seg,size", _sizes((0, 0), (0, 1), (1, -1), (1, 0), (1, 1), (3, 7)))
-def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
-    from cas.localfs import LocalBackend
-
-    (tmp_path / "tmp").mkdir()
-    keys = crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY))
-    backend = crypt.EncryptedBackend(LocalBackend(str(tmp_path)), keys, segment=seg)
+@pytest.mark.parametrize("lay,size", _sizes((0, 0), (0, 1), (1, -1), (1, 0), (1, 1), (3, 7)))
+def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, lay, size):
+    seg = lay.segment
+    backend = _sealed_backend(tmp_path, lay)
     data = os.urandom(size)
     parts = [data[:size // 3], data[size // 3:size // 2], data[size // 2:]]
     assert backend.put_if_absent("log/x", parts)
-    assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == crypt.sealed_size(size, seg)
+    assert backend.stat("log/x") == size and os.path.getsize(tmp_path / "log" / "x") == lay.sealed_size(size)
     assert backend.get("log/x") == data
     for start, length in [(0, 10), (size // 2, 100), (seg - 3, 10), (max(size - 5, 0), 50), (seg - 3, 2 * seg + 10),
                           (seg, seg), (5, size), (seg + 1, MAP_FROM + 3)]:
@@ -529,7 +565,7 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
     backend.discard(staged)
     sealed = (tmp_path / "log" / "x").read_bytes()
     if size >= seg:  # cut at a segment boundary: the last segment left does not say it is last
-        (tmp_path / "log" / "y").write_bytes(sealed[:crypt.HEADER + seg + crypt.TAG])
+        (tmp_path / "log" / "y").write_bytes(sealed[:lay.at(1)])
         with pytest.raises(CorruptionError):
             backend.get("log/y")
     (tmp_path / "log" / "z").write_bytes(sealed)  # the same bytes under another name
@@ -541,16 +577,16 @@ def test_sealed_blobs_round_trip_by_range_and_refuse_cuts(tmp_path, seg, size):
             backend.get("log/z", size // 2, 1)
 
 
-def _sealed_backend(tmp_path, segment: int = crypt.SEGMENT):
+def _sealed_backend(tmp_path, layout=LAYOUTS[0]):
     from cas.localfs import LocalBackend
 
     (tmp_path / "tmp").mkdir(exist_ok=True)
     return crypt.EncryptedBackend(LocalBackend(str(tmp_path)), crypt.StoreKeys(os.urandom(32), "k", ("raw", RAW_KEY)),
-                                  segment=segment)
+                                  segment=layout.segment, split=layout.split)
 
 
-@pytest.mark.parametrize("seg,size", _sizes((0, 9), (1, 0), (3, 0), (5, 77)))
-def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_path, seg, size):
+@pytest.mark.parametrize("lay,size", _sizes((0, 9), (1, 0), (3, 0), (5, 77)))
+def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_path, lay, size):
     """Writes of any size and place, split into parts, arriving in any order from several
     threads (as a save's workers stream a pack): what reads back is what was written, whole and
     by range; the file holds no plaintext; a segment cut, a byte flipped or the blob moved out of
@@ -558,7 +594,7 @@ def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_p
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    backend = _sealed_backend(tmp_path, seg)
+    backend, seg = _sealed_backend(tmp_path, lay), lay.segment
     rng = random.Random(size)
     data = (MARK_TENSOR * (size // len(MARK_TENSOR) + 1))[:size - 1] + b"!"
     cuts = sorted({0, size, *(rng.randrange(size) for _ in range(12)), *(i * seg for i in range(1, 4))})
@@ -585,7 +621,7 @@ def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_p
     with pytest.raises(CorruptionError):
         backend.get("log/x")
     if size > seg:  # cut after a whole segment: the one left does not say it is the last
-        path.write_bytes(sealed[:crypt.HEADER + seg + crypt.TAG])
+        path.write_bytes(sealed[:lay.at(1)])
         with pytest.raises(CorruptionError):
             backend.get(name)
     flipped = bytearray(sealed)
@@ -593,6 +629,41 @@ def test_a_streamed_pack_is_sealed_as_written_in_any_order_by_many_threads(tmp_p
     path.write_bytes(bytes(flipped))
     with pytest.raises(CorruptionError, match="authentication"):
         backend.get(name)
+
+
+@pytest.mark.parametrize("lay", LAYOUTS)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_ranges_of_a_streamed_pack_of_mixed_entries_read_back_exactly(tmp_path, lay, seed):
+    """Entries of every size (bytes to segments) streamed in any order, then read back by
+    random ranges, one after another in one open (small reads share opened segments through the
+    cache, which for split segments holds only the messages a read opened): every range is the
+    written bytes, with or without a caller's buffer."""
+    import random
+
+    backend, seg = _sealed_backend(tmp_path, lay), lay.segment
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 36, 700, seg // 3, seg - 5, seg + 36, 2 * seg + 999, 3 * seg // 2]) for _ in range(12)]
+    data = os.urandom(sum(sizes))
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    writes = list(zip(bounds, bounds[1:]))
+    rng.shuffle(writes)
+    stream = backend.stream("packs/00/" + "00" * 32)
+    for lo, hi in writes:
+        cut = min(lo + 36, hi)  # (an entry header, then its object)
+        stream.write_at(lo, [data[lo:cut], memoryview(data)[cut:hi]])
+    name = "packs/ab/" + "ab" * 32
+    assert backend.publish(stream.close(name))
+    for _ in range(150):
+        if rng.random() < 0.5:
+            a, b = sorted(rng.sample(bounds, 2))  # an entry (or several) as the index places it
+        else:
+            a = rng.randrange(len(data))
+            b = min(len(data), a + rng.choice([1, 17, seg // 2, seg, 2 * seg + 3]))
+        buffer = (lambda n: memoryview(bytearray(n))) if rng.random() < 0.5 else None
+        assert bytes(backend.get(name, a, b - a, buffer=buffer)) == data[a:b]
+    assert backend.get(name) == data
 
 
 def test_a_streamed_pack_closed_with_bytes_missing_is_refused(tmp_path):
@@ -605,48 +676,52 @@ def test_a_streamed_pack_closed_with_bytes_missing_is_refused(tmp_path):
     assert not [p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith(".owner.")]  # the stream's file went
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_new_stores_seal_1_mib_segments_and_older_stores_keep_their_scheme(tmp_path, monkeypatch, version):
-    """New stores (scheme 3) stream packs sealed in 1 MiB segments; a store made by an older cas
-    (scheme 1: packs sealed whole; scheme 2: streamed, 64 KiB segments) is read and written with
-    its own scheme, so that cas still reads it."""
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_new_stores_seal_split_1_mib_slots_and_older_stores_keep_their_scheme(tmp_path, monkeypatch, version):
+    """New stores (scheme 4) stream packs sealed in 1 MiB slots split where entries meet; a store
+    made by an older cas (scheme 1: packs sealed whole, 64 KiB segments; 2: streamed; 3: streamed,
+    1 MiB segments of one message) is read and written with its own scheme, so that cas still
+    reads it."""
     state = {"w": torch.randn(1 << 19), "s": torch.arange(5)}
     with cas.open(tmp_path / "new", key="k") as store:
         store.save(state, step=1)
-        assert store.config.encryption["version"] == 3 and store.config.encryption["segment"] == 1 << 20
+        assert store.config.encryption["version"] == 4 and store.config.encryption["segment"] == 1 << 20
         packs = [store.backend.path(n) for n in store.backend.list("packs/")]
         assert packs and all(open(p, "rb").read(8) == crypt.STREAM_MAGIC for p in packs)
-        _opens_only_with_segments_of(store.backend, 1 << 20)
+        _opens_only_with(store.backend, LAYOUTS[0])
     from cas import keys
     monkeypatch.setattr(keys, "ENCRYPTION_VERSION", version)  # a store made by an older cas
     with cas.open(tmp_path / "old", key="k") as store:
         store.save(state, step=1)
     monkeypatch.undo()
     monkeypatch.setenv(crypt.SCRYPT_ENV, "10")
+    old = LAYOUTS[1] if version == 3 else LAYOUTS[2]
     with cas.open(tmp_path / "old", key="k") as store:
-        assert store.config.encryption["version"] == version and store.config.encryption["segment"] == 64 << 10
+        assert store.config.encryption["version"] == version and store.config.encryption["segment"] == old.segment
         store.save({"w": state["w"] + 1, "s": state["s"]}, step=2)
         packs = [store.backend.path(n) for n in store.backend.list("packs/")]
         out = store.load(1)
         assert torch.equal(out["w"], state["w"]) and torch.equal(out["s"], state["s"])
         assert torch.equal(store.load(2)["w"], state["w"] + 1)
         assert store.verify().ok
-        _opens_only_with_segments_of(store.backend, 64 << 10)
+        _opens_only_with(store.backend, old)
     magic = crypt.BLOB_MAGIC if version == 1 else crypt.STREAM_MAGIC
     assert packs and all(open(p, "rb").read(8) == magic for p in packs)
 
 
-def _opens_only_with_segments_of(backend, segment: int) -> None:
-    """Every pack over one segment opens with `segment`-byte segments and fails with the other size."""
-    assert isinstance(backend, crypt.EncryptedBackend) and backend.segment == segment
-    other = crypt.SEGMENT_V1 if segment == crypt.SEGMENT else crypt.SEGMENT
-    wrong = crypt.EncryptedBackend(backend.inner, backend.keys, segment=other)
-    names = [n for n, size in backend.list_sizes("packs/") if size > min(segment, other) + 1]
+def _opens_only_with(backend, layout) -> None:
+    """Every pack over one segment opens with its store's layout and fails with the others."""
+    assert isinstance(backend, crypt.EncryptedBackend) and backend.layout == layout
+    names = [n for n, size in backend.list_sizes("packs/") if size > layout.segment + 1]
     assert names
+    for other in LAYOUTS:
+        if other != layout:
+            wrong = crypt.EncryptedBackend(backend.inner, backend.keys, segment=other.segment, split=other.split)
+            for name in names:
+                with pytest.raises(CorruptionError):
+                    wrong.get(name)
     for name in names:
         assert len(backend.get(name)) == backend.stat(name)
-        with pytest.raises(CorruptionError):
-            wrong.get(name)
 
 
 def test_a_store_whose_segment_size_does_not_fit_its_scheme_is_refused(tmp_path):
@@ -659,7 +734,7 @@ def test_a_store_whose_segment_size_does_not_fit_its_scheme_is_refused(tmp_path)
     with pytest.raises(CasError, match="parameters this cas does not read"):
         check_fields({**fields, "segment": 64 << 10}, "here")
     with pytest.raises(CasError, match="does not know"):
-        check_fields({**fields, "version": 4}, "here")
+        check_fields({**fields, "version": 5}, "here")
 
 
 def test_push_and_pull_between_stores_of_one_master_key_and_refused_across_keys(tmp_path):

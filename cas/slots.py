@@ -1,0 +1,237 @@
+"""Sealing scheme 4: each 1 MiB segment split where a pack's entries meet, so that reading one
+entry decrypts none of its neighbours' bytes (cas/crypt.py opens them; docs/format.md, "Sealed
+blobs").
+
+Scheme 3 seals a blob in 1 MiB segments, and a pack entry's first and last segments hold bytes
+of the entries beside it: every read of an entry decrypted those edges whole, 27% more than the
+entries' own bytes over a load of 4 MiB chunks, 65% on a small model's 1-4 MiB objects, and
+AES-GCM on this hardware runs at memcpy speed, so no cache of opened edges pays for itself
+(bench/profile.md). Scheme 4 keeps the segment (the slot) at 1 MiB of plain bytes, so a plain
+offset still maps to its sealed place by arithmetic, and seals each slot as three messages:
+
+    split: p (u32 LE) + tag | A: plain bytes [0, p) + tag | B: plain bytes [p, n) + tag
+
+p is where a write (a pack entry with its header) begins or ends inside the slot, or n when
+none does (B is then empty); n is the slot's plain length (1 MiB but in the blob's last slot).
+A reader opens the split message (20 bytes), then only the messages its range covers. Every
+slot is its plain bytes + 52. Nonces (12 bytes): slot number (10, big-endian) | kind (0 split,
+1 A, 2 B) | 1 in the split message of the blob's last slot, else 0: a blob cut at a slot's end
+fails, as in scheme 3. A and B are bound to p (associated data: the blob's, then p as u32 LE).
+p, like every other byte, is sealed: a stored pack shows no entry boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .backend import Staged
+from .buffers import POOL, copy_bytes
+from .segments import HEADER, SPLIT_OVER, STREAM_MAGIC, TAG, Pieces
+
+SPLIT_PLAIN = 4
+SPLIT = SPLIT_PLAIN + TAG  # sealed bytes of a slot's split message
+OVERHEAD = SPLIT_OVER  # sealed bytes a slot adds to its plain bytes: SPLIT + 2 * TAG
+A, B = 1, 2  # message kinds (0: the split message)
+
+
+def nonce(i: int, kind: int, last: bool = False) -> bytes:
+    return i.to_bytes(10, "big") + bytes((kind, 1 if last else 0))
+
+
+def bound(aad: bytes, p: int) -> bytes:
+    """A and B's associated data: the blob's, and the slot's split point."""
+    return aad + p.to_bytes(SPLIT_PLAIN, "little")
+
+
+def message_at(kind: int, p: int) -> int:
+    """Where message A or B starts, from its slot's start."""
+    return SPLIT if kind == A else SPLIT + p + TAG
+
+
+def seal_split(aead, aad: bytes, i: int, p: int, last: bool, out) -> None:
+    aead.encrypt_into(nonce(i, 0, last), p.to_bytes(SPLIT_PLAIN, "little"), aad, out[:SPLIT])
+
+
+def seal_slot(aead, aad: bytes, i: int, pieces: Pieces, lo: int, hi: int, last: bool, out) -> None:
+    """Seal plain bytes [lo, hi) of `pieces` as slot i into `out` (hi - lo + OVERHEAD bytes),
+    split at the first boundary of the pieces inside it (a pack entry's start)."""
+    p = pieces.boundary_in(lo, hi) - lo
+    seal_split(aead, aad, i, p, last, out)
+    aead.seal_parts_into(nonce(i, A), pieces.views(lo, lo + p) or [b""], bound(aad, p), out[SPLIT:SPLIT + p + TAG])
+    at = message_at(B, p)
+    aead.seal_parts_into(nonce(i, B), pieces.views(lo + p, hi) or [b""], bound(aad, p), out[at:at + hi - lo - p + TAG])
+
+
+def open_split(aead, aad: bytes, i: int, sealed, short: bool, invalid) -> tuple[int, bool]:
+    """(p, whether the slot is marked the blob's last) from slot i's sealed bytes; a slot
+    shorter than a whole one must be the last, a whole one may be (raises `invalid`)."""
+    out = bytearray(SPLIT_PLAIN)
+    try:
+        aead.decrypt_into(nonce(i, 0, short), sealed[:SPLIT], aad, out)
+        return int.from_bytes(out, "little"), short
+    except invalid:
+        if short:
+            raise
+    aead.decrypt_into(nonce(i, 0, True), sealed[:SPLIT], aad, out)
+    return int.from_bytes(out, "little"), True
+
+
+def open_messages(aead, aad: bytes, i: int, sealed, p: int, n: int, dest, want=None) -> tuple[int, int]:
+    """Decrypt slot i's messages into `dest` (its n plain bytes); with `want` (lo, hi) of the
+    slot's plain bytes, only the messages that reach into it (an empty one is always checked).
+    Returns the plain bytes of the slot now in `dest`."""
+    opened: list[int] = []
+    for kind, lo, hi in ((A, 0, p), (B, p, n)):
+        if want is not None and hi > lo and (hi <= want[0] or lo >= want[1]):
+            continue
+        at = message_at(kind, p)
+        aead.decrypt_into(nonce(i, kind), sealed[at:at + hi - lo + TAG], bound(aad, p), dest[lo:hi])
+        if hi > lo:
+            opened += [lo, hi]
+    return (min(opened), max(opened)) if opened else (0, 0)
+
+
+class SplitStream:
+    """A blob of scheme 4 sealed as it is streamed (a pack written at offsets by a save's
+    workers: cas/segments.py SealedStream is scheme 3's). A slot's split point is fixed by the
+    first write that reaches it, at that write's start or end inside the slot. A message one
+    write holds whole is sealed from its parts and written at once (an entry's first and last
+    messages too: no gather copy); one that several writes share is gathered until complete.
+    A slot's split message says whether it is the blob's last, so it goes with message A once a
+    write reaches past the slot, else at close."""
+
+    def __init__(self, inner, aead, aad: bytes, salt: bytes, layout) -> None:
+        self._inner, self._aead, self._aad, self._layout = inner, aead, aad, layout
+        self._seg = layout.segment
+        self._lock = threading.Lock()
+        self._split: dict[int, int] = {}  # slot -> p
+        self._partial: dict[tuple[int, int], list] = {}  # (slot, kind) -> [pooled buffer, bytes in]
+        self._sealed: set[tuple[int, int]] = set()
+        self._split_written: set[int] = set()
+        self._end = 0
+        self._write(0, STREAM_MAGIC + salt)
+
+    def _write(self, at: int, data) -> None:
+        if self._inner.write_at(at, [data]) != len(data):
+            raise OSError("a sealed segment was written short")
+
+    def write_at(self, offset: int, parts: list) -> int:
+        pieces = Pieces(parts)
+        total = pieces.total
+        if not total:
+            return 0
+        end, seg = offset + total, self._seg
+        slots = range(offset // seg, (end - 1) // seg + 1)
+        with self._lock:
+            for i in slots:
+                if i not in self._split:
+                    inside = [b - i * seg for b in (offset, end) if i * seg < b < (i + 1) * seg]
+                    self._split[i] = inside[0] if inside else seg
+            splits = [self._split[i] for i in slots]
+            self._end = max(self._end, end)
+            reached = self._end
+        for i, p in zip(slots, splits):
+            base = i * seg
+            for kind, a, b in ((A, 0, p), (B, p, seg)):
+                lo, hi = max(offset, base + a), min(end, base + b)
+                if lo >= hi:
+                    continue
+                views = pieces.views(lo - offset, hi - offset)
+                if (lo, hi) == (base + a, base + b):
+                    self._seal(i, kind, p, views, with_split=kind == A and (i + 1) * seg <= reached)
+                else:
+                    self._gather(i, kind, p, lo - base - a, b - a, views)
+        return total
+
+    def _seal(self, i: int, kind: int, p: int, views: list, *, with_split: bool) -> None:
+        """Seal message `kind` of slot i from `views` and write it at its place (with the
+        slot's split message before it, for A of a slot known not to be the last)."""
+        n = sum(len(v) for v in views)
+        head = SPLIT if with_split else 0
+        buf = POOL.take(head + n + TAG)
+        try:
+            out = memoryview(buf)[:head + n + TAG]
+            if with_split:
+                seal_split(self._aead, self._aad, i, p, False, out)
+            self._aead.seal_parts_into(nonce(i, kind), views or [b""], bound(self._aad, p), out[head:])
+            self._write(self._layout.at(i) + message_at(kind, p) - head, out)
+        finally:
+            POOL.give(buf)
+        with self._lock:
+            self._sealed.add((i, kind))
+            if with_split:
+                self._split_written.add(i)
+
+    def _gather(self, i: int, kind: int, p: int, at: int, length: int, views: list) -> None:
+        """Copy a write's share of message `kind` of slot i (`length` plain bytes when the
+        slot is whole); the write that completes it seals it."""
+        with self._lock:
+            slot = self._partial.get((i, kind))
+            if slot is None:
+                slot = self._partial[(i, kind)] = [POOL.take(self._seg), 0]
+            for part in views:
+                copy_bytes(memoryview(slot[0])[at:at + len(part)], part)
+                at, slot[1] = at + len(part), slot[1] + len(part)
+            full = slot[1] == length
+            if full:
+                del self._partial[(i, kind)]
+            reached = self._end
+        if full:  # (a slot whose B fills is whole: never the last)
+            try:
+                self._seal(i, kind, p, [memoryview(slot[0])[:length]], with_split=kind == A and (i + 1) * self._seg <= reached)
+            finally:
+                POOL.give(slot[0])
+
+    def writeback(self, offset: int, nbytes: int) -> None:
+        seg = self._seg
+        first, stop = offset // seg, (offset + nbytes) // seg
+        if stop > first:
+            self._inner.writeback(self._layout.at(first), (stop - first) * (seg + OVERHEAD))
+
+    def close(self, name: str, *, fsync: bool = True) -> Staged:
+        """Seal what is left (the messages gathered, the last slot's, the split messages not
+        written yet), then end the inner stream (a staged blob for `name`)."""
+        with self._lock:
+            end, pending = self._end, dict(self._partial)
+            self._partial.clear()
+            splits, sealed, split_written = dict(self._split), set(self._sealed), set(self._split_written)
+        seg = self._seg
+        last = end // seg
+        try:
+            for i in range(last + 1):
+                n = seg if i < last else end - last * seg
+                p = splits.get(i, n)
+                for kind, a, b in ((A, 0, p), (B, p, n)):
+                    if (i, kind) in sealed:
+                        continue
+                    slot = pending.pop((i, kind), None)
+                    if (slot[1] if slot is not None else 0) != b - a:
+                        raise OSError(f"a sealed stream was closed with bytes of slot {i} never written")
+                    try:
+                        self._seal(i, kind, p, [memoryview(slot[0])[:b - a]] if slot is not None else [], with_split=False)
+                    finally:
+                        if slot is not None:
+                            POOL.give(slot[0])
+                if i not in split_written:
+                    buf = bytearray(SPLIT)
+                    seal_split(self._aead, self._aad, i, p, i == last, memoryview(buf))
+                    self._write(self._layout.at(i), buf)
+            if pending:
+                raise OSError("a sealed stream was closed with bytes past its end")
+        except BaseException:
+            for slot in pending.values():
+                POOL.give(slot[0])
+            self._inner.discard()
+            raise
+        return self._inner.close(name, fsync=fsync)
+
+    def discard(self) -> None:
+        with self._lock:
+            pending = list(self._partial.values())
+            self._partial.clear()
+        for slot in pending:
+            POOL.give(slot[0])
+        self._inner.discard()
+
+
+__all__ = ["HEADER", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_split", "seal_slot"]
