@@ -97,8 +97,9 @@ class SplitStream:
     first write that reaches it, at that write's start or end inside the slot. A message one
     write holds whole is sealed from its parts and written at once (an entry's first and last
     messages too: no gather copy); one that several writes share is gathered until complete.
-    A slot's split message says whether it is the blob's last, so it goes with message A once a
-    write reaches past the slot, else at close."""
+    A slot's split message says whether it is the blob's last, so it is sealed by a write that
+    touches the slot once some write has reached past it (with message A when that write holds
+    it), else at close."""
 
     def __init__(self, inner, aead, aad: bytes, salt: bytes, layout) -> None:
         self._inner, self._aead, self._aad, self._layout = inner, aead, aad, layout
@@ -129,38 +130,55 @@ class SplitStream:
                     self._split[i] = inside[0] if inside else seg
             splits = [self._split[i] for i in slots]
             self._end = max(self._end, end)
-            reached = self._end
+            # split messages this write seals: of the slots it touches that are now known not
+            # to be the blob's last (a write reached past them)
+            claimed = {i for i in slots if i not in self._split_written and (i + 1) * seg <= self._end}
+            self._split_written |= claimed
         for i, p in zip(slots, splits):
-            base = i * seg
+            base, run = i * seg, []  # the messages of slot i this write holds whole
             for kind, a, b in ((A, 0, p), (B, p, seg)):
                 lo, hi = max(offset, base + a), min(end, base + b)
+                if a == b and run:  # B of a slot no write splits: this write holds it all
+                    run.append((kind, []))
                 if lo >= hi:
                     continue
                 views = pieces.views(lo - offset, hi - offset)
                 if (lo, hi) == (base + a, base + b):
-                    self._seal(i, kind, p, views, with_split=kind == A and (i + 1) * seg <= reached)
+                    run.append((kind, views))
                 else:
                     self._gather(i, kind, p, lo - base - a, b - a, views)
+            with_split = i in claimed and bool(run) and run[0][0] == A
+            if run:
+                self._seal(i, p, run, with_split=with_split)
+            if i in claimed and not with_split:
+                self._seal_split(i, p, last=False)
         return total
 
-    def _seal(self, i: int, kind: int, p: int, views: list, *, with_split: bool) -> None:
-        """Seal message `kind` of slot i from `views` and write it at its place (with the
-        slot's split message before it, for A of a slot known not to be the last)."""
-        n = sum(len(v) for v in views)
+    def _seal_split(self, i: int, p: int, *, last: bool) -> None:
+        buf = bytearray(SPLIT)
+        seal_split(self._aead, self._aad, i, p, last, memoryview(buf))
+        self._write(self._layout.at(i), buf)
+
+    def _seal(self, i: int, p: int, run: list, *, with_split: bool) -> None:
+        """Seal messages of slot i, (kind, views) that lie one after the other (A then B, or
+        one of them), and write them at their place in one write (with the slot's split
+        message before A, for a slot known not to be the last)."""
+        sizes = [sum(len(v) for v in views) + TAG for _, views in run]
         head = SPLIT if with_split else 0
-        buf = POOL.take(head + n + TAG)
+        buf = POOL.take(head + sum(sizes))
         try:
-            out = memoryview(buf)[:head + n + TAG]
+            out = memoryview(buf)[:head + sum(sizes)]
             if with_split:
                 seal_split(self._aead, self._aad, i, p, False, out)
-            self._aead.seal_parts_into(nonce(i, kind), views or [b""], bound(self._aad, p), out[head:])
-            self._write(self._layout.at(i) + message_at(kind, p) - head, out)
+            at = head
+            for (kind, views), size in zip(run, sizes):
+                self._aead.seal_parts_into(nonce(i, kind), views or [b""], bound(self._aad, p), out[at:at + size])
+                at += size
+            self._write(self._layout.at(i) + message_at(run[0][0], p) - head, out)
         finally:
             POOL.give(buf)
         with self._lock:
-            self._sealed.add((i, kind))
-            if with_split:
-                self._split_written.add(i)
+            self._sealed.update((i, kind) for kind, _ in run)
 
     def _gather(self, i: int, kind: int, p: int, at: int, length: int, views: list) -> None:
         """Copy a write's share of message `kind` of slot i (`length` plain bytes when the
@@ -175,10 +193,9 @@ class SplitStream:
             full = slot[1] == length
             if full:
                 del self._partial[(i, kind)]
-            reached = self._end
-        if full:  # (a slot whose B fills is whole: never the last)
+        if full:
             try:
-                self._seal(i, kind, p, [memoryview(slot[0])[:length]], with_split=kind == A and (i + 1) * self._seg <= reached)
+                self._seal(i, p, [(kind, [memoryview(slot[0])[:length]])], with_split=False)
             finally:
                 POOL.give(slot[0])
 
@@ -201,21 +218,24 @@ class SplitStream:
             for i in range(last + 1):
                 n = seg if i < last else end - last * seg
                 p = splits.get(i, n)
+                run, held = [], []
                 for kind, a, b in ((A, 0, p), (B, p, n)):
                     if (i, kind) in sealed:
                         continue
                     slot = pending.pop((i, kind), None)
+                    if slot is not None:
+                        held.append(slot[0])
                     if (slot[1] if slot is not None else 0) != b - a:
                         raise OSError(f"a sealed stream was closed with bytes of slot {i} never written")
-                    try:
-                        self._seal(i, kind, p, [memoryview(slot[0])[:b - a]] if slot is not None else [], with_split=False)
-                    finally:
-                        if slot is not None:
-                            POOL.give(slot[0])
+                    run.append((kind, [memoryview(slot[0])[:b - a]] if slot is not None else []))
+                try:
+                    if run:
+                        self._seal(i, p, run, with_split=False)
+                finally:
+                    for one in held:
+                        POOL.give(one)
                 if i not in split_written:
-                    buf = bytearray(SPLIT)
-                    seal_split(self._aead, self._aad, i, p, i == last, memoryview(buf))
-                    self._write(self._layout.at(i), buf)
+                    self._seal_split(i, p, last=i == last)
             if pending:
                 raise OSError("a sealed stream was closed with bytes past its end")
         except BaseException:
