@@ -514,8 +514,8 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
         cks = [self.resolve(step)] if step is not None else self.checkpoints()
         report = verify_checkpoints(self, cks, quick=quick, progress=progress)
         if step is not None and report.removed_checkpoints:
-            raise CheckpointNotFoundError(f"checkpoint step {step} was removed from the store at {self.path} while "
-                                          "it was verified")
+            raise CheckpointNotFoundError(f"no checkpoint with step {step} in the store at {self.path} (removed by "
+                                          "another process while it was verified)")
         if step is None:  # the whole store: its record log and the registry folded from it too
             report.problems[:0] = config_problems(self) + registry_problems(self)
         return report

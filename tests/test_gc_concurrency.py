@@ -421,3 +421,30 @@ def test_a_verify_finds_no_damage_in_a_checkpoint_another_process_removes_while_
             assert not store.index.any_damaged(txn)
         assert store.verify().ok
         assert_same(store.load(3), {"own": tensor(3), "shared": tensor(0)})
+
+
+def test_a_verify_of_one_checkpoint_that_another_process_removes_meanwhile_says_it_is_gone(tmp_path):
+    """`cas verify 2` read the tree of step 2, then another process removed it and swept its
+    objects: the verify reported them missing (exit 1) and recorded them as damage. Now it says
+    there is no such checkpoint (removed while verified), as for a step never there, and records
+    nothing."""
+    path = tmp_path / "s"
+    with cas.open(path, chunk_size=64 << 10) as store:
+        for step in (1, 2):
+            store.save({"own": tensor(step), "shared": tensor(0)}, step=step)
+    gate = tmp_path / "gate"
+    verify = subprocess.Popen([sys.executable, "-m", "cas.cli", "--store", str(path), "verify", "2"],
+                              env=dict(os.environ, CAS_FAULTS=f"verify.tree_read=pause:{gate}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(f"{gate}.reached")
+        with cas.open(path) as store:
+            store.delete([2])
+            assert store.gc().objects_swept > 0
+    finally:
+        gate.touch()
+    out, err = verify.communicate(timeout=120)
+    assert verify.returncode == 2 and "no checkpoint with step 2" in err and "PROBLEM" not in out, (out, err)
+    with cas.open(path) as store:
+        with store.index.read() as txn:
+            assert not store.index.any_damaged(txn)
