@@ -9,12 +9,14 @@ AES-GCM on this hardware runs at memcpy speed, so no cache of opened edges pays 
 (bench/profile.md). Scheme 4 keeps the segment (the slot) at 1 MiB of plain bytes, so a plain
 offset still maps to its sealed place by arithmetic, and seals each slot as three messages:
 
-    split: p (u32 LE) + tag | A: plain bytes [0, p) + tag | B: plain bytes [p, n) + tag
+    A: plain bytes [0, p) + tag | B: plain bytes [p, n) + tag | split: p (u32 LE) + tag
 
 p is where a write (a pack entry with its header) begins or ends inside the slot; in a slot
 one write covers, where two of its parts meet; else n (B is then empty). n is the slot's plain
-length (1 MiB but in the blob's last slot). A reader opens the split message (20 bytes), then only the messages its range covers. Every
-slot is its plain bytes + 52. Nonces (12 bytes): slot number (10, big-endian) | kind (0 split,
+length (1 MiB but in the blob's last slot). A reader opens the split message (20 bytes at the
+slot's end), then only the messages its range covers. Every slot is its plain bytes + 52, and
+the split message goes out in one write with B (the write that holds B whole, of a slot that is
+whole, knows the slot is not the blob's last). Nonces (12 bytes): slot number (10, big-endian) | kind (0 split,
 1 A, 2 B) | 1 in the split message of the blob's last slot, else 0: a blob cut at a slot's end
 fails, as in scheme 3. A and B are bound to p (associated data: the blob's, then p as u32 LE).
 p, like every other byte, is sealed: a stored pack shows no entry boundary.
@@ -45,7 +47,12 @@ def bound(aad: bytes, p: int) -> bytes:
 
 def message_at(kind: int, p: int) -> int:
     """Where message A or B starts, from its slot's start."""
-    return SPLIT if kind == A else SPLIT + p + TAG
+    return 0 if kind == A else p + TAG
+
+
+def split_at(n: int) -> int:
+    """Where the split message of a slot of n plain bytes starts, from the slot's start."""
+    return n + 2 * TAG
 
 
 def seal_split(aead, aad: bytes, i: int, p: int, last: bool, out) -> None:
@@ -55,24 +62,23 @@ def seal_split(aead, aad: bytes, i: int, p: int, last: bool, out) -> None:
 def seal_slot(aead, aad: bytes, i: int, pieces: Pieces, lo: int, hi: int, last: bool, out) -> None:
     """Seal plain bytes [lo, hi) of `pieces` as slot i into `out` (hi - lo + OVERHEAD bytes),
     split at the first boundary of the pieces inside it (a pack entry's start)."""
-    p = pieces.boundary_in(lo, hi) - lo
-    seal_split(aead, aad, i, p, last, out)
-    aead.seal_parts_into(nonce(i, A), pieces.views(lo, lo + p) or [b""], bound(aad, p), out[SPLIT:SPLIT + p + TAG])
-    at = message_at(B, p)
-    aead.seal_parts_into(nonce(i, B), pieces.views(lo + p, hi) or [b""], bound(aad, p), out[at:at + hi - lo - p + TAG])
+    p, n = pieces.boundary_in(lo, hi) - lo, hi - lo
+    aead.seal_parts_into(nonce(i, A), pieces.views(lo, lo + p) or [b""], bound(aad, p), out[:p + TAG])
+    aead.seal_parts_into(nonce(i, B), pieces.views(lo + p, hi) or [b""], bound(aad, p), out[p + TAG:n + 2 * TAG])
+    seal_split(aead, aad, i, p, last, out[split_at(n):])
 
 
 def open_split(aead, aad: bytes, i: int, sealed, short: bool, invalid) -> tuple[int, bool]:
     """(p, whether the slot is marked the blob's last) from slot i's sealed bytes; a slot
     shorter than a whole one must be the last, a whole one may be (raises `invalid`)."""
-    out = bytearray(SPLIT_PLAIN)
+    out, ct = bytearray(SPLIT_PLAIN), sealed[split_at(len(sealed) - OVERHEAD):]
     try:
-        aead.decrypt_into(nonce(i, 0, short), sealed[:SPLIT], aad, out)
+        aead.decrypt_into(nonce(i, 0, short), ct, aad, out)
         return int.from_bytes(out, "little"), short
     except invalid:
         if short:
             raise
-    aead.decrypt_into(nonce(i, 0, True), sealed[:SPLIT], aad, out)
+    aead.decrypt_into(nonce(i, 0, True), ct, aad, out)
     return int.from_bytes(out, "little"), True
 
 
@@ -97,9 +103,8 @@ class SplitStream:
     first write that reaches it, at that write's start or end inside the slot. A message one
     write holds whole is sealed from its parts and written at once (an entry's first and last
     messages too: no gather copy); one that several writes share is gathered until complete.
-    A slot's split message says whether it is the blob's last, so it is sealed by a write that
-    touches the slot once some write has reached past it (with message A when that write holds
-    it), else at close."""
+    A slot's split message says whether it is the blob's last: it goes with B, sealed by the
+    write that completes B of a whole slot (so not the last), or at close for the last slot.""" 
 
     def __init__(self, inner, aead, aad: bytes, salt: bytes, layout) -> None:
         self._inner, self._aead, self._aad, self._layout = inner, aead, aad, layout
@@ -108,7 +113,6 @@ class SplitStream:
         self._split: dict[int, int] = {}  # slot -> p
         self._partial: dict[tuple[int, int], list] = {}  # (slot, kind) -> [pooled buffer, bytes in]
         self._sealed: set[tuple[int, int]] = set()
-        self._split_written: set[int] = set()
         self._end = 0
         self._write(0, STREAM_MAGIC + salt)
 
@@ -134,10 +138,6 @@ class SplitStream:
                         pieces.boundary_in(i * seg - offset, (i + 1) * seg - offset) + offset - i * seg
             splits = [self._split[i] for i in slots]
             self._end = max(self._end, end)
-            # split messages this write seals: of the slots it touches that are now known not
-            # to be the blob's last (a write reached past them)
-            claimed = {i for i in slots if i not in self._split_written and (i + 1) * seg <= self._end}
-            self._split_written |= claimed
         for i, p in zip(slots, splits):
             base, run = i * seg, []  # the messages of slot i this write holds whole
             for kind, a, b in ((A, 0, p), (B, p, seg)):
@@ -151,34 +151,27 @@ class SplitStream:
                     run.append((kind, views))
                 else:
                     self._gather(i, kind, p, lo - base - a, b - a, views)
-            with_split = i in claimed and bool(run) and run[0][0] == A
-            if run:
-                self._seal(i, p, run, with_split=with_split)
-            if i in claimed and not with_split:
-                self._seal_split(i, p, last=False)
+            if run:  # (B whole here: the slot is whole, so not the last)
+                self._seal(i, p, run, last=False)
         return total
 
-    def _seal_split(self, i: int, p: int, *, last: bool) -> None:
-        buf = bytearray(SPLIT)
-        seal_split(self._aead, self._aad, i, p, last, memoryview(buf))
-        self._write(self._layout.at(i), buf)
-
-    def _seal(self, i: int, p: int, run: list, *, with_split: bool) -> None:
+    def _seal(self, i: int, p: int, run: list, *, last: bool) -> None:
         """Seal messages of slot i, (kind, views) that lie one after the other (A then B, or
-        one of them), and write them at their place in one write (with the slot's split
-        message before A, for a slot known not to be the last)."""
+        one of them), and write them at their place in one write, with the slot's split
+        message after B when B is among them."""
         sizes = [sum(len(v) for v in views) + TAG for _, views in run]
-        head = SPLIT if with_split else 0
-        buf = POOL.take(head + sum(sizes))
+        tail = SPLIT if run[-1][0] == B else 0
+        total = sum(sizes) + tail
+        buf = POOL.take(total)
         try:
-            out = memoryview(buf)[:head + sum(sizes)]
-            if with_split:
-                seal_split(self._aead, self._aad, i, p, False, out)
-            at = head
+            out = memoryview(buf)[:total]
+            at = 0
             for (kind, views), size in zip(run, sizes):
                 self._aead.seal_parts_into(nonce(i, kind), views or [b""], bound(self._aad, p), out[at:at + size])
                 at += size
-            self._write(self._layout.at(i) + message_at(run[0][0], p) - head, out)
+            if tail:
+                seal_split(self._aead, self._aad, i, p, last, out[at:])
+            self._write(self._layout.at(i) + message_at(run[0][0], p), out)
         finally:
             POOL.give(buf)
         with self._lock:
@@ -197,9 +190,9 @@ class SplitStream:
             full = slot[1] == length
             if full:
                 del self._partial[(i, kind)]
-        if full:
+        if full:  # (a B that fills: its slot is whole, so not the last)
             try:
-                self._seal(i, p, [(kind, [memoryview(slot[0])[:length]])], with_split=False)
+                self._seal(i, p, [(kind, [memoryview(slot[0])[:length]])], last=False)
             finally:
                 POOL.give(slot[0])
 
@@ -215,7 +208,7 @@ class SplitStream:
         with self._lock:
             end, pending = self._end, dict(self._partial)
             self._partial.clear()
-            splits, sealed, split_written = dict(self._split), set(self._sealed), set(self._split_written)
+            splits, sealed = dict(self._split), set(self._sealed)
         seg = self._seg
         last = end // seg
         try:
@@ -234,12 +227,10 @@ class SplitStream:
                     run.append((kind, [memoryview(slot[0])[:b - a]] if slot is not None else []))
                 try:
                     if run:
-                        self._seal(i, p, run, with_split=False)
+                        self._seal(i, p, run, last=i == last)
                 finally:
                     for one in held:
                         POOL.give(one)
-                if i not in split_written:
-                    self._seal_split(i, p, last=i == last)
             if pending:
                 raise OSError("a sealed stream was closed with bytes past its end")
         except BaseException:
@@ -258,4 +249,4 @@ class SplitStream:
         self._inner.discard()
 
 
-__all__ = ["HEADER", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_split", "seal_slot"]
+__all__ = ["HEADER", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_split", "seal_slot", "split_at"]

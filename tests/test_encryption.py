@@ -455,7 +455,9 @@ def test_a_tampered_pack_or_a_moved_blob_is_named(tmp_path):
         objs = None
         pack_file = store.backend.path(pack)
     data = bytearray(open(pack_file, "rb").read())
-    data[crypt.HEADER + 5] ^= 0x80
+    # inside the first entry's object: slot 0 splits after the pack's 8-byte magic (message A
+    # and its tag), then come the entry's 36-byte header and its object
+    data[crypt.HEADER + 8 + crypt.TAG + 36 + 5] ^= 0x80
     open(pack_file, "wb").write(data)
     with cas.open(path, key="k") as store:
         with pytest.raises(CorruptionError, match=r"object [0-9a-f]{64}"):
