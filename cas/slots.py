@@ -11,8 +11,8 @@ offset still maps to its sealed place by arithmetic, and seals each slot as thre
 
     A: plain bytes [0, p) + tag | B: plain bytes [p, n) + tag | split: p (u32 LE) + tag
 
-p is where a write (a pack entry with its header) begins or ends inside the slot; in a slot
-one write covers, where two of its parts meet; else n (B is then empty). n is the slot's plain
+p is where a write (a pack entry with its header) begins or ends inside the slot, else n (B is
+then empty). n is the slot's plain
 length (1 MiB but in the blob's last slot). A reader opens the split message (20 bytes at the
 slot's end), then only the messages its range covers. Every slot is its plain bytes + 52, and
 the split message goes out in one write with B (the write that holds B whole, of a slot that is
@@ -131,11 +131,7 @@ class SplitStream:
             for i in slots:
                 if i not in self._split:
                     inside = [b - i * seg for b in (offset, end) if i * seg < b < (i + 1) * seg]
-                    # where entries meet; in a slot this write covers alone, where two of its
-                    # parts meet (each message then one buffer: GCM's one-shot call runs a
-                    # quarter faster than its incremental form), else nowhere
-                    self._split[i] = inside[0] if inside else \
-                        pieces.boundary_in(i * seg - offset, (i + 1) * seg - offset) + offset - i * seg
+                    self._split[i] = inside[0] if inside else seg  # (none: this write covers the slot)
             splits = [self._split[i] for i in slots]
             self._end = max(self._end, end)
         for i, p in zip(slots, splits):
