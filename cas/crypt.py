@@ -7,7 +7,9 @@ config, `keys/` and `leases/` (which hold no user data) is written as
 each segment 1 MiB of plaintext (64 KiB in stores of scheme 1 and 2: cas/keys.py; the last one
 shorter, possibly empty) sealed with AES-256-GCM
 (16-byte tag) under the blob key blake3(key=aead subkey, b"cas blob key\\0" + salt), nonce =
-segment number (11 bytes, big-endian) | 1 for the last segment else 0. The associated data
+segment number (11 bytes, big-endian) | 1 for the last segment else 0; in stores of scheme 4,
+each segment is split where pack entries meet and sealed as three messages (cas/slots.py), so a
+read of one entry opens none of its neighbours' bytes. The associated data
 binds each blob to where it belongs: with magic b"casenc1\\n" the blob's whole name (a blob
 moved to another name fails its check); with b"casenc2\\n", a *streamed* blob (a pack written
 at offsets while a save encodes, named by its footer only once complete), its folder (packs/):
@@ -184,8 +186,10 @@ class EncryptedBackend:
                             p, marked_last = slots.open_split(aead, aad, i, ct, short, invalid)
                             if p > n:
                                 raise invalid
-                            asked = (want[0] - plain, want[1] - plain) if inside and want is not None \
-                                else None if inside else (lo - plain, hi - plain)
+                            if inside:  # (all of it, or the messages a large read asked for)
+                                asked = None if want is None else (want[0] - plain, want[1] - plain)
+                            else:  # (the messages holding the small read's bytes, for the cache)
+                                asked = (lo - plain, hi - plain)
                             valid = slots.open_messages(aead, aad, i, ct, p, n, dest, asked)
                         else:
                             aead.decrypt_into(nonce(i, short), ct, aad, dest)

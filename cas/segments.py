@@ -95,7 +95,55 @@ class Pieces:
         return out
 
 
-class SealedStream:
+class StreamSealer:
+    """What the streamed writers of every sealing scheme share: the header written first, each
+    sealed piece written at its place, and the plain bytes gathered so far (pool buffers) given
+    back when the stream is dropped."""
+
+    def __init__(self, inner, aead, aad: bytes, salt: bytes, layout: Layout) -> None:
+        self._inner, self._aead, self._aad, self._layout = inner, aead, aad, layout
+        self._seg = layout.segment
+        self._lock = threading.Lock()
+        self._partial: dict = {}  # what gathers: -> [a pool buffer of its plain bytes, how many]
+        self._end = 0  # plain bytes: the furthest any write reached
+        self._write(0, STREAM_MAGIC + salt)
+
+    def _write(self, at: int, data) -> None:
+        if self._inner.write_at(at, [data]) != len(data):
+            raise OSError("a sealed segment was written short")
+
+    def _gathered(self, key, at: int, parts: list, length: int):
+        """Copy a write's parts into the gather buffer of `key` from `at`: the buffer once it
+        holds all `length` bytes (no longer pending: the caller seals it and gives it back to
+        the pool), else None."""
+        with self._lock:
+            slot = self._partial.get(key)
+            if slot is None:
+                slot = self._partial[key] = [POOL.take(self._seg), 0]
+            for part in parts:
+                copy_bytes(memoryview(slot[0])[at:at + len(part)], part)
+                at, slot[1] = at + len(part), slot[1] + len(part)
+            if slot[1] != length:
+                return None
+            del self._partial[key]
+            return slot[0]
+
+    def writeback(self, offset: int, nbytes: int) -> None:
+        seg = self._seg
+        first, stop = offset // seg, (offset + nbytes) // seg
+        if stop > first:
+            self._inner.writeback(self._layout.at(first), (stop - first) * (seg + self._layout.over))
+
+    def discard(self) -> None:
+        with self._lock:
+            pending = list(self._partial.values())
+            self._partial.clear()
+        for slot in pending:
+            POOL.give(slot[0])
+        self._inner.discard()
+
+
+class SealedStream(StreamSealer):
     """A blob sealed as it is streamed (a pack written at offsets by a save's workers, named
     only once complete: cas/packs.py PackStream), with the STREAM_MAGIC header. Writers give
     plain bytes at plain offsets, from several threads at once; a segment a write covers whole
@@ -105,15 +153,7 @@ class SealedStream:
     blob's length is known. Plain bytes reach the inner file only sealed."""
 
     def __init__(self, inner, aead, aad: bytes, salt: bytes, segment: int = SEGMENT) -> None:
-        self._inner, self._aead, self._aad, self._seg = inner, aead, aad, segment
-        self._lock = threading.Lock()
-        self._partial: dict[int, list] = {}  # segment -> [its plain bytes so far, how many]
-        self._end = 0  # plain bytes: the furthest any write reached
-        self._write(0, STREAM_MAGIC + salt)
-
-    def _write(self, at: int, data) -> None:
-        if self._inner.write_at(at, [data]) != len(data):
-            raise OSError("a sealed segment was written short")
+        super().__init__(inner, aead, aad, salt, Layout(segment, split=False))  # (partial: segment -> its gather)
 
     def _seal(self, i: int, parts: list, last: bool, out) -> memoryview:
         n = sum(len(p) for p in parts)
@@ -152,27 +192,12 @@ class SealedStream:
         return total
 
     def _gather(self, i: int, at: int, parts: list) -> None:
-        with self._lock:
-            slot = self._partial.get(i)
-            if slot is None:  # [a pooled buffer its plain bytes gather in, how many so far]
-                slot = self._partial[i] = [POOL.take(self._seg), 0]
-            for part in parts:
-                copy_bytes(memoryview(slot[0])[at:at + len(part)], part)
-                at, slot[1] = at + len(part), slot[1] + len(part)
-            full = slot[1] == self._seg
-            if full:
-                del self._partial[i]
-        if full:  # never the last: a blob's last segment is shorter than SEGMENT (close)
+        full = self._gathered(i, at, parts, self._seg)
+        if full is not None:  # never the last: a blob's last segment is shorter than SEGMENT (close)
             try:
-                self._seal_one(i, memoryview(slot[0])[:self._seg], False)
+                self._seal_one(i, memoryview(full)[:self._seg], False)
             finally:
-                POOL.give(slot[0])
-
-    def writeback(self, offset: int, nbytes: int) -> None:
-        seg = self._seg
-        first, stop = offset // seg, (offset + nbytes) // seg
-        if stop > first:
-            self._inner.writeback(segment_at(first, seg), (stop - first) * (seg + TAG))
+                POOL.give(full)
 
     def close(self, name: str, *, fsync: bool = True) -> Staged:
         """Seal and write the last segment, then end the inner stream (a staged blob for `name`)."""
@@ -192,11 +217,3 @@ class SealedStream:
                 if one is not None:
                     POOL.give(one[0])
         return self._inner.close(name, fsync=fsync)
-
-    def discard(self) -> None:
-        with self._lock:
-            pending = list(self._partial.values())
-            self._partial.clear()
-        for slot in pending:
-            POOL.give(slot[0])
-        self._inner.discard()

@@ -24,11 +24,9 @@ p, like every other byte, is sealed: a stored pack shows no entry boundary.
 
 from __future__ import annotations
 
-import threading
-
 from .backend import Staged
-from .buffers import POOL, copy_bytes
-from .segments import HEADER, SPLIT_OVER, STREAM_MAGIC, TAG, Pieces
+from .buffers import POOL
+from .segments import HEADER, SPLIT_OVER, TAG, Pieces, StreamSealer
 
 SPLIT_PLAIN = 4
 SPLIT = SPLIT_PLAIN + TAG  # sealed bytes of a slot's split message
@@ -97,7 +95,7 @@ def open_messages(aead, aad: bytes, i: int, sealed, p: int, n: int, dest, want=N
     return (min(opened), max(opened)) if opened else (0, 0)
 
 
-class SplitStream:
+class SplitStream(StreamSealer):
     """A blob of scheme 4 sealed as it is streamed (a pack written at offsets by a save's
     workers: cas/segments.py SealedStream is scheme 3's). A slot's split point is fixed by the
     first write that reaches it, at that write's start or end inside the slot. A message one
@@ -107,18 +105,9 @@ class SplitStream:
     write that completes B of a whole slot (so not the last), or at close for the last slot.""" 
 
     def __init__(self, inner, aead, aad: bytes, salt: bytes, layout) -> None:
-        self._inner, self._aead, self._aad, self._layout = inner, aead, aad, layout
-        self._seg = layout.segment
-        self._lock = threading.Lock()
+        super().__init__(inner, aead, aad, salt, layout)  # (partial: (slot, kind) -> its gather)
         self._split: dict[int, int] = {}  # slot -> p
-        self._partial: dict[tuple[int, int], list] = {}  # (slot, kind) -> [pooled buffer, bytes in]
         self._sealed: set[tuple[int, int]] = set()
-        self._end = 0
-        self._write(0, STREAM_MAGIC + salt)
-
-    def _write(self, at: int, data) -> None:
-        if self._inner.write_at(at, [data]) != len(data):
-            raise OSError("a sealed segment was written short")
 
     def write_at(self, offset: int, parts: list) -> int:
         pieces = Pieces(parts)
@@ -176,27 +165,12 @@ class SplitStream:
     def _gather(self, i: int, kind: int, p: int, at: int, length: int, views: list) -> None:
         """Copy a write's share of message `kind` of slot i (`length` plain bytes when the
         slot is whole); the write that completes it seals it."""
-        with self._lock:
-            slot = self._partial.get((i, kind))
-            if slot is None:
-                slot = self._partial[(i, kind)] = [POOL.take(self._seg), 0]
-            for part in views:
-                copy_bytes(memoryview(slot[0])[at:at + len(part)], part)
-                at, slot[1] = at + len(part), slot[1] + len(part)
-            full = slot[1] == length
-            if full:
-                del self._partial[(i, kind)]
-        if full:  # (a B that fills: its slot is whole, so not the last)
+        full = self._gathered((i, kind), at, views, length)
+        if full is not None:  # (a B that fills: its slot is whole, so not the last)
             try:
-                self._seal(i, p, [(kind, [memoryview(slot[0])[:length]])], last=False)
+                self._seal(i, p, [(kind, [memoryview(full)[:length]])], last=False)
             finally:
-                POOL.give(slot[0])
-
-    def writeback(self, offset: int, nbytes: int) -> None:
-        seg = self._seg
-        first, stop = offset // seg, (offset + nbytes) // seg
-        if stop > first:
-            self._inner.writeback(self._layout.at(first), (stop - first) * (seg + OVERHEAD))
+                POOL.give(full)
 
     def close(self, name: str, *, fsync: bool = True) -> Staged:
         """Seal what is left (the messages gathered, the last slot's, the split messages not
@@ -235,14 +209,6 @@ class SplitStream:
             self._inner.discard()
             raise
         return self._inner.close(name, fsync=fsync)
-
-    def discard(self) -> None:
-        with self._lock:
-            pending = list(self._partial.values())
-            self._partial.clear()
-        for slot in pending:
-            POOL.give(slot[0])
-        self._inner.discard()
 
 
 __all__ = ["HEADER", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_split", "seal_slot", "split_at"]
