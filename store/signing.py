@@ -15,7 +15,7 @@ import os
 import msgpack
 
 from cas import faults
-from cas.errors import CasError, CheckpointNotFoundError
+from cas.errors import CasError
 
 from .registry import differences, fold_records
 
@@ -137,22 +137,20 @@ def problem(change: dict | None, public_key: bytes) -> str | None:
     return None
 
 
-def _changed_since_listed(store, ck) -> bool:
-    try:
-        return store.get(ck.step).key != ck.key
-    except CheckpointNotFoundError:
-        return True
-
-
 def check_store(store, public_key) -> dict[int, str]:
     """step -> problem for every checkpoint of the store that is not signed by `public_key` as
     its record now stands (read from the record log, the store's truth), or whose record as
-    the index serves it (to `cas ls`, `show`, loads) is not the signed one."""
+    the index serves it (to `cas ls`, `show`, loads) is not the signed one. The index is read
+    as of the log entry it holds, and the log up to that entry: what other processes save,
+    remove, pin or mark meanwhile lies past it and is neither checked nor taken for a forgery."""
     expected = public_key_bytes(public_key)
-    listed = store.checkpoints()  # before the log: a save commits its log entry first, so each one is in it
+    store.checkpoints()  # (the cache brought up to the log as it is now)
+    with store.index.read() as txn:
+        head, _ = store.registry.head(txn)
+        listed = store.registry.all(txn)
     faults.point("signatures.listed")
     adds: dict[int, dict] = {}
-    entries = list(store.records.entries())
+    entries = [entry for entry in store.records.entries() if entry.seq <= head]
     for entry in entries:
         for change in entry.changes:
             if change["op"] == "add":
@@ -163,8 +161,6 @@ def check_store(store, public_key) -> dict[int, str]:
     out = {}
     for ck in listed:
         change = adds.get(ck.step)
-        if (change is None or bytes(change["id"]) != ck.key) and _changed_since_listed(store, ck):
-            continue  # removed or replaced by another process meanwhile: no longer the store's
         if change is None or bytes(change["id"]) != ck.key:
             out[ck.step] = "its record is not in the record log"
             continue

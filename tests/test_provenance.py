@@ -138,10 +138,11 @@ def test_signed_checkpoints_verify_and_a_changed_or_resigned_record_fails(tmp_pa
 
 
 def test_checking_signatures_while_another_process_saves_and_removes_finds_nothing_unsigned(tmp_path):
-    """`cas verify --signatures` read the record log, then listed the checkpoints; a signed save
-    committed between the two was listed without its log entry: "its record is not in the
-    record log". Now it lists first, and one removed (or replaced) after the listing is skipped
-    as no longer the store's. Another process saves step 4 and removes step 2 while it pauses."""
+    """`cas verify --signatures` read the record log, then listed the checkpoints: a signed save
+    committed between the two was listed without its log entry ("its record is not in the record
+    log"), and a pin or milestone set between them made a record "not the signed one". Now it
+    reads the index as of the log entry the index holds, and the log up to that entry. Another
+    process saves step 4, removes step 2, pins step 1 and marks step 3 while it pauses."""
     import time
 
     key = ed25519.Ed25519PrivateKey.generate()
@@ -160,6 +161,8 @@ def test_checking_signatures_while_another_process_saves_and_removes_finds_nothi
         with cas.open(tmp_path / "s", signing_key=key) as store:
             store.save({"w": torch.full((4,), 4.0)}, step=4)
             store.delete([2])
+            store.pin(1)
+            store.set_milestone(3)
     finally:
         gate.touch()
     out, err = check.communicate(timeout=120)
