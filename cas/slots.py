@@ -4,7 +4,7 @@ blobs").
 
 Scheme 3 seals a blob in 1 MiB segments, and a pack entry's first and last segments hold bytes
 of the entries beside it: every read of an entry decrypted those edges whole, 27% more than the
-entries' own bytes over a load of 4 MiB chunks, 65% on a small model's 1-4 MiB objects, and
+entries' own bytes over a load of 4 MiB chunks, 30-65% on small models' 1-4 MiB objects, and
 AES-GCM on this hardware runs at memcpy speed, so no cache of opened edges pays for itself
 (bench/profile.md). Scheme 4 keeps the segment (the slot) at 1 MiB of plain bytes, so a plain
 offset still maps to its sealed place by arithmetic, and seals each slot as three messages:
@@ -12,13 +12,13 @@ offset still maps to its sealed place by arithmetic, and seals each slot as thre
     A: plain bytes [0, p) + tag | B: plain bytes [p, n) + tag | split: p (u32 LE) + tag
 
 p is where a write (a pack entry with its header) begins or ends inside the slot, else n (B is
-then empty). n is the slot's plain
-length (1 MiB but in the blob's last slot). A reader opens the split message (20 bytes at the
-slot's end), then only the messages its range covers. Every slot is its plain bytes + 52, and
-the split message goes out in one write with B (the write that holds B whole, of a slot that is
-whole, knows the slot is not the blob's last). Nonces (12 bytes): slot number (10, big-endian) | kind (0 split,
-1 A, 2 B) | 1 in the split message of the blob's last slot, else 0: a blob cut at a slot's end
-fails, as in scheme 3. A and B are bound to p (associated data: the blob's, then p as u32 LE).
+then empty); n is the slot's plain length (1 MiB but in the blob's last slot). A reader opens
+the split message (20 bytes at the slot's end), then only the messages its range covers. Every
+slot is its plain bytes + 52, and the split message goes out in one write with B (the write
+that holds B of a whole slot knows the slot is not the blob's last). Nonces (12 bytes): slot
+number (10, big-endian) | kind (0 split, 1 A, 2 B) | 1 in the split message of the blob's last
+slot, else 0: a blob cut at a slot's end fails, as in scheme 3. A and B are bound to p
+(associated data: the blob's, then p as u32 LE).
 p, like every other byte, is sealed: a stored pack shows no entry boundary.
 """
 
@@ -102,7 +102,7 @@ class SplitStream(StreamSealer):
     write holds whole is sealed from its parts and written at once (an entry's first and last
     messages too: no gather copy); one that several writes share is gathered until complete.
     A slot's split message says whether it is the blob's last: it goes with B, sealed by the
-    write that completes B of a whole slot (so not the last), or at close for the last slot.""" 
+    write that completes B of a whole slot (so not the last), or at close for the last slot."""
 
     def __init__(self, inner, aead, aad: bytes, salt: bytes, layout) -> None:
         super().__init__(inner, aead, aad, salt, layout)  # (partial: (slot, kind) -> its gather)
