@@ -164,7 +164,7 @@ class SealedStream(StreamSealer):
         """Seal segment i alone and write it at its place."""
         out = POOL.take(len(plain) + TAG)
         try:
-            self._write(segment_at(i, self._seg), self._seal(i, [plain], last, memoryview(out)))
+            self._write(self._layout.at(i), self._seal(i, [plain], last, memoryview(out)))
         finally:
             POOL.give(out)
 
@@ -180,7 +180,7 @@ class SealedStream(StreamSealer):
             try:
                 out = memoryview(buf)
                 for i in range(whole_lo, whole_hi):
-                    self._write(segment_at(i, seg),
+                    self._write(self._layout.at(i),
                                 self._seal(i, pieces.views(i * seg - offset, (i + 1) * seg - offset), False, out))
             finally:
                 POOL.give(buf)

@@ -144,7 +144,7 @@ def check_store(store, public_key) -> dict[int, str]:
     as of the log entry it holds, and the log up to that entry: what other processes save,
     remove, pin or mark meanwhile lies past it and is neither checked nor taken for a forgery."""
     expected = public_key_bytes(public_key)
-    store.checkpoints()  # (the cache brought up to the log as it is now)
+    store.ensure_cache()  # (the cache brought up to the log as it is now, as registry_problems does)
     with store.index.read() as txn:
         head, _ = store.registry.head(txn)
         listed = store.registry.all(txn)
