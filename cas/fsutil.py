@@ -175,22 +175,32 @@ def open_tmp(path: str, *, tmp_dir: str) -> tuple[str, int]:
     return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
+WRITE_BATCH = 1 << 20  # bytes per pwritev (bench/profile.md, "Plain saves and the inode lock")
+
+
 def pwrite_parts(fd: int, parts: list, offset: int) -> int:
-    """Write every bytes-like part at `offset` onward (one pwritev per up to 512 parts; short
-    writes resumed): threads write their own ranges of one file at once, with no copies."""
-    views = [memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if v.nbytes]
-    total = 0
-    while views:
-        batch = views[:512]
+    """Write every bytes-like part at `offset` onward, in pwritev calls of up to WRITE_BATCH
+    bytes (short writes resumed): threads write their own ranges of one file at once, with no
+    copies. The cap is for the threads beside: a write holds the file's inode lock while the
+    kernel copies it, and one 4 MiB call made every other writer spin on that lock."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    total, i = 0, 0
+    while i < len(views):
+        batch, room, j = [], WRITE_BATCH, i
+        while j < len(views) and room and len(batch) < 512:
+            batch.append(views[j][:room])
+            room -= batch[-1].nbytes
+            j += 1
         n = os.pwritev(fd, batch, offset + total)
+        if not n:  # (the caller sees a short write)
+            break
         total += n
-        while n and views:  # drop what was written, keep the rest of a part cut short
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
+        while n:  # drop what was written, keep the rest of a part cut short (by the cap or the kernel)
+            if n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
             else:
-                views[0] = views[0][n:]
+                views[i] = views[i][n:]
                 n = 0
     return total
 

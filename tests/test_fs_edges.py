@@ -277,3 +277,23 @@ def test_a_lease_file_is_taken_over_only_once_its_holder_is_gone(tmp_path):
     assert backend.take_over_lease("locks/gc", b"again") is None
     taken.release()
     assert backend.lease_alive("locks/gc") is None
+
+
+def test_a_write_of_many_parts_is_cut_into_bounded_calls_and_lands_whole(tmp_path):
+    """pwrite_parts writes at most WRITE_BATCH bytes per call (other writers of the file wait on
+    its inode lock while one call copies) yet puts every byte of every part at its place: parts
+    cut across calls, more parts than one call takes, empty parts."""
+    import numpy as np
+
+    from cas.fsutil import WRITE_BATCH, pwrite_parts
+
+    rng = np.random.default_rng(7)
+    sizes = [3, 0, WRITE_BATCH + 5, 1, *rng.integers(0, 5000, 700).tolist(), 2 * WRITE_BATCH, 17]
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert pwrite_parts(fd, parts, 11) == sum(sizes)
+    finally:
+        os.close(fd)
+    assert path.read_bytes()[11:] == b"".join(p.tobytes() for p in parts)
