@@ -17,8 +17,8 @@ import zstandard
 
 from .errors import CasError, CorruptionError, FormatVersionError
 from .hashing import KEY_SIZE, PLAIN, Namer, to_hex
-from .transforms import (INTEGER_SIZES, group_bytes, linear_prediction, motion_of, scratch, sub_delta, undo_sub_delta,
-                         ungroup_bytes)
+from .transforms import (INTEGER_SIZES, group_bytes, group_planes, linear_prediction, motion_of, scratch, sub_delta,
+                         undo_sub_delta, ungroup_bytes)
 
 MAGIC = b"caso"
 OBJECT_FORMAT = 3  # the newest written; each object is written with the oldest format that reads it
@@ -171,13 +171,14 @@ class CodecPolicy:
                     return Encoded([_header(n, stages, base[0], shift), packed], base[0])
         if sampled and plain_sample >= SAMPLE_MAX_RATIO * min(n, SAMPLE_BYTES):
             return Encoded([_header(n, ()), view])
+        header = _header(n, self._packed_stages(group))
         if group and sampled and planes is not None and not all(planes):
-            parts = self._pack_planes(view, group, planes, floats)
+            parts = self._pack_planes(view, group, planes, header, floats)
         else:
-            parts = [self._pack(view, group, floats)]
-        if parts is None or _size(parts) >= n:
+            parts = [header, self._pack(view, group, floats)]
+        if parts is None or _size(parts) - len(header) >= n:
             return Encoded([_header(n, ()), view])
-        return Encoded([_header(n, self._packed_stages(group))] + parts)
+        return Encoded(parts)
 
     def plain_params_sample_smaller(self, raw, element_size: int) -> bool:
         """Whether a sample of a whole float object codes smaller with zstd's own level-1
@@ -198,23 +199,35 @@ class CodecPolicy:
             data = group_bytes(data, group, scratch(data.size))
         return _zstd_c(self.level, floats=floats and bool(group)).compress(data)
 
-    def _pack_planes(self, data: np.ndarray, group: int, planes: list, floats: bool = True) -> list | None:
-        """Payload parts of one zstd frame holding the grouped bytes, in which only the planes
-        from the first to the last that `planes` marks compressible go through zstd; the planes
-        outside that run (a float's low mantissa bytes: random, 1.000 of raw) become raw blocks
-        of the same frame, written straight from the grouping buffer. Any zstd decoder reads the
-        frame (older cas too); a raw block decodes as a copy. None: nothing shrinks."""
+    def _pack_planes(self, data: np.ndarray, group: int, planes: list, header: bytes,
+                     floats: bool = True) -> list | None:
+        """The object (`header`, then one zstd frame holding the grouped bytes) in which only the
+        planes from the first to the last that `planes` marks compressible go through zstd; the
+        planes outside that run (a float's low mantissa bytes: random, 1.000 of raw) become raw
+        blocks of the same frame. Any zstd decoder reads the frame (older cas too); a raw block
+        decodes as a copy. When the run ends the object (the usual case: a float's sign/exponent
+        plane is its last), the raw planes are grouped straight into their blocks and the whole
+        object is one buffer, which an encrypted store seals in single calls (`_framed`).
+        None: nothing shrinks."""
         marked = [k for k, ok in enumerate(planes) if ok]
         if not marked:
             return None
-        grouped = group_bytes(data, group, scratch(data.size))
         plane = data.size // group
         lo, hi = marked[0] * plane, (marked[-1] + 1) * plane
-        run = _zstd_c(self.level, floats=floats).compress(grouped[lo:hi])
+        cctx = _zstd_c(self.level, floats=floats)
+        if lo and hi == data.size:
+            run_planes = scratch(hi - lo)
+            group_planes(data, group, {k: [(0, run_planes[(k - marked[0]) * plane:(k - marked[0] + 1) * plane])]
+                                       for k in range(marked[0], group)})
+            framed = _framed(cctx.compress(run_planes), data, group, lo, header)
+            if framed is not None:
+                return [framed]
+        grouped = group_bytes(data, group, scratch(data.size))
+        run = cctx.compress(grouped[lo:hi])
         spliced = _splice_frame(run, memoryview(grouped), lo, hi)
         if spliced is None:  # a frame shape we do not splice: the planes as one ordinary frame
-            return [_zstd_c(self.level, floats=floats).compress(grouped)]
-        return spliced
+            return [header, cctx.compress(grouped)]
+        return [header] + spliced
 
     def _best_prediction(self, view: np.ndarray, element_size: int, base: np.ndarray,
                          below: np.ndarray | None) -> tuple[int | None, int]:
@@ -269,13 +282,10 @@ _RAW_BLOCK = 128 << 10  # zstd's largest block
 _DID_SIZES = (0, 1, 2, 4)
 
 
-def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | None:
-    """One zstd frame (RFC 8878) of all of `grouped`: raw blocks for [0, lo), the blocks of
-    `run` (a frame of grouped[lo:hi] alone) for the run, raw blocks for [hi, end). Sound because
-    a frame's first compressed block starts from the frame's initial state (repeat offsets 1, 4,
-    8; no tables to repeat) whatever raw blocks precede it, and its matches reach back only into
-    its own run. None when `run` is not a plain frame of one piece (a checksum, a skippable
-    frame): the caller writes an ordinary frame instead."""
+def _run_frame(run: bytes) -> tuple[int, int, int] | None:
+    """(window size, where its blocks start, where its last block starts) of `run`, a zstd frame
+    (RFC 8878) of one piece; None when it is not a plain frame of one piece (a checksum, a
+    skippable frame, a reserved block type): the caller writes an ordinary frame instead."""
     if len(run) < 6 or run[:4] != _ZSTD_MAGIC:
         return None
     fhd = run[4]
@@ -298,7 +308,7 @@ def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | N
     if checksum or window is None:
         return None
     blocks, last = pos, None
-    while pos + 3 <= len(run):  # find the last block, to take its last-block bit off
+    while pos + 3 <= len(run):  # find the last block
         head = int.from_bytes(run[pos:pos + 3], "little")
         btype, bsize = head >> 1 & 3, head >> 3
         if btype == 3:
@@ -308,12 +318,35 @@ def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | N
             break
     if last is None or pos != len(run):
         return None
-    total = len(grouped)
-    wlog = max(17, (max(window, 1) - 1).bit_length())  # a window of at least 128 KiB (raw blocks' size)
-    if wlog > 27:  # beyond what decoders take by default
+    return window, blocks, last
+
+
+def _frame_head(total: int, window: int) -> bytes | None:
+    """The header of a frame of `total` bytes whose compressed blocks need `window`, with a
+    window of at least 128 KiB (raw blocks' size); None beyond what decoders take by default."""
+    wlog = max(17, (max(window, 1) - 1).bit_length())
+    if wlog > 27:
         return None
     fcs_flag, fcs_size = (3, 8) if total >= 1 << 32 else (2, 4)
-    head = _ZSTD_MAGIC + bytes([fcs_flag << 6, (wlog - 10) << 3]) + total.to_bytes(fcs_size, "little")
+    return _ZSTD_MAGIC + bytes([fcs_flag << 6, (wlog - 10) << 3]) + total.to_bytes(fcs_size, "little")
+
+
+def _raw_block_head(size: int, final: bool) -> bytes:
+    return ((size << 3) | final).to_bytes(3, "little")
+
+
+def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | None:
+    """One zstd frame of all of `grouped`: raw blocks for [0, lo), the blocks of `run` (a frame
+    of grouped[lo:hi] alone) for the run, raw blocks for [hi, end). Sound because a frame's
+    first compressed block starts from the frame's initial state (repeat offsets 1, 4, 8; no
+    tables to repeat) whatever raw blocks precede it, and its matches reach back only into its
+    own run. None when `run` is not a frame we splice (`_run_frame`)."""
+    shape = _run_frame(run)
+    head = _frame_head(len(grouped), shape[0]) if shape is not None else None
+    if head is None:
+        return None
+    _, blocks, last = shape
+    total = len(grouped)
     parts: list = [head]
     view = memoryview(run)
     tail = [(hi, total)] if hi < total else []
@@ -321,7 +354,7 @@ def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | N
     def raw_blocks(start: int, end: int, final: bool) -> None:
         for at in range(start, end, _RAW_BLOCK):
             size = min(_RAW_BLOCK, end - at)
-            parts.append(((size << 3) | (final and at + size == end)).to_bytes(3, "little"))
+            parts.append(_raw_block_head(size, final and at + size == end))
             parts.append(grouped[at:at + size])
 
     raw_blocks(0, lo, False)
@@ -333,6 +366,50 @@ def _splice_frame(run: bytes, grouped: memoryview, lo: int, hi: int) -> list | N
     else:
         parts.append(view[blocks:])
     return parts
+
+
+def _framed(run: bytes, data: np.ndarray, group: int, lo: int, header: bytes) -> np.ndarray | None:
+    """The whole object in one buffer: `header`, then the frame _splice_frame makes when the
+    run ends the object (grouped bytes [lo, end) compressed as `run`), with the raw planes
+    [0, lo) grouped from `data` straight into their raw blocks. None: a run we do not splice."""
+    shape = _run_frame(run)
+    head = _frame_head(data.size, shape[0]) if shape is not None else None
+    if head is None:
+        return None
+    blocks = -(-lo // _RAW_BLOCK)
+    at = len(header) + len(head)  # where the raw blocks begin
+    end = at + lo + 3 * blocks
+    out = scratch(end + len(run) - shape[1], "framed")
+    out[:len(header)] = np.frombuffer(header, np.uint8)
+    out[len(header):at] = np.frombuffer(head, np.uint8)
+    for b in range(blocks):
+        size = min(_RAW_BLOCK, lo - b * _RAW_BLOCK)
+        out[at + b * (_RAW_BLOCK + 3):][:3] = np.frombuffer(_raw_block_head(size, False), np.uint8)
+    plane = data.size // group
+    group_planes(data, group, {k: _raw_block_pieces(out, at, k * plane, (k + 1) * plane) for k in range(lo // plane)})
+    out[end:] = np.frombuffer(run, np.uint8, offset=shape[1])
+    return out
+
+
+def _raw_block_pieces(out: np.ndarray, at: int, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    """Where bytes [lo, hi) of a run of raw blocks written from out[at] (3-byte block headers,
+    then up to 128 KiB each) lie: (offset from lo, view) pieces, the whole blocks among them one
+    2-D view of rows between the headers."""
+    def place(x: int) -> int:
+        return at + x // _RAW_BLOCK * (_RAW_BLOCK + 3) + 3 + x % _RAW_BLOCK
+
+    first, last = -(-lo // _RAW_BLOCK) * _RAW_BLOCK, hi // _RAW_BLOCK * _RAW_BLOCK
+    if first > last:  # inside one block
+        return [(0, out[place(lo):place(lo) + hi - lo])]
+    pieces = [(0, out[place(lo):place(lo) + first - lo])] if lo < first else []
+    rows = (last - first) // _RAW_BLOCK
+    if rows:
+        start = out[place(first):]
+        pieces.append((first - lo, np.lib.stride_tricks.as_strided(
+            start, shape=(rows, _RAW_BLOCK), strides=(_RAW_BLOCK + 3, 1), writeable=True)))
+    if last < hi:
+        pieces.append((last - lo, out[place(last):place(last) + hi - last]))
+    return pieces
 
 
 def _spread_sample(view: np.ndarray, element_size: int) -> np.ndarray:

@@ -37,19 +37,30 @@ def group_bytes(raw: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarr
     """Byte k of every element together, for each k: floats' sign/exponent bytes compress well
     once they are next to each other. `raw.size` must be a multiple of `element_size`."""
     planes = out.reshape(element_size, -1)
+    group_planes(raw, element_size, {k: [(0, planes[k])] for k in range(element_size)})
+    return out
+
+
+def group_planes(raw: np.ndarray, element_size: int, targets: dict[int, list[tuple[int, np.ndarray]]]) -> None:
+    """group_bytes for the planes `targets` names, each written where its pieces say: plane k's
+    bytes [start, start + dest.size) go to dest, for each (start, dest) in targets[k] (a 2-D
+    dest takes them row by row). So a plane can land in another buffer's strided slots (the
+    codec writes raw planes straight into zstd raw blocks) with no copy in between."""
     if element_size in _SHIFTED:
         # as integers, plane k is (element >> 8k): 3.4x (2-byte) and 1.8x (4-byte) faster here
         # than numpy's strided byte copy below
-        wide = scratch(raw.size, "shift").view(_UNSIGNED[element_size])
         elements = raw.view(_UNSIGNED[element_size])
-        np.copyto(planes[0], elements, casting="unsafe")  # the low byte needs no shift
-        for k in range(1, element_size):
-            np.copyto(planes[k], np.right_shift(elements, 8 * k, out=wide), casting="unsafe")
-        return out
+        for k, pieces in targets.items():
+            # (the low byte needs no shift)
+            plane = elements if k == 0 else np.right_shift(elements, 8 * k, out=scratch(raw.size, "shift").view(
+                _UNSIGNED[element_size]))
+            for start, dest in pieces:
+                np.copyto(dest, plane[start:start + dest.size].reshape(dest.shape), casting="unsafe")
+        return
     elements = raw.reshape(-1, element_size)
-    for k in range(element_size):  # one strided pass per plane: ~4 GB/s, 3x numpy's .T copy
-        planes[k] = elements[:, k]
-    return out
+    for k, pieces in targets.items():  # one strided pass per plane: ~4 GB/s, 3x numpy's .T copy
+        for start, dest in pieces:
+            dest[...] = elements[start:start + dest.size, k].reshape(dest.shape)
 
 
 def ungroup_bytes(grouped: np.ndarray, element_size: int, out: np.ndarray) -> np.ndarray:

@@ -101,3 +101,28 @@ def test_planes_left_raw_make_one_zstd_frame_any_reader_decodes(element_size, co
         assert grouped == np.concatenate(planes).tobytes()
     if all(kind == "random" for kind in pattern[:element_size]):
         assert head.stages == ()  # nothing to gain: stored raw
+
+
+def test_a_float_chunk_whose_mantissa_planes_stay_raw_is_one_buffer():
+    """A float chunk's random low planes are raw blocks of its frame, grouped straight into
+    them: header and frame come out as one buffer (an encrypted store seals its segments in
+    single calls, a plain one writes it with no gather list), in the bytes any zstd reads."""
+    import torch
+    import zstandard
+
+    from cas.codecs import CodecPolicy, decode_into, parse_header
+    from cas.hashing import hash_bytes
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, count in ((torch.float32, 1 << 20), (torch.float32, 300_007), (torch.bfloat16, 1 << 21),
+                         (torch.float16, 777_777), (torch.float64, 1 << 19)):
+        t = torch.randn(count, generator=g, dtype=torch.float64).to(dtype)  # (fp64 made from fp32 has 4 zero planes)
+        raw = t.view(torch.uint8).numpy()
+        enc = CodecPolicy().encode(raw, t.element_size())
+        assert len(enc.parts) == 1, (dtype, count)
+        blob = bytes(enc.parts[0])
+        head = parse_header(blob, key=hash_bytes(raw))
+        assert [s[0] for s in head.stages] == [1, 2]  # bytegroup, zstd
+        assert np.array_equal(decode_into(blob, hash_bytes(raw)), raw)
+        grouped = zstandard.ZstdDecompressor().decompress(blob[head.payload_offset:])
+        assert grouped == planes_by_definition(raw, t.element_size()).tobytes()
