@@ -175,7 +175,7 @@ def open_tmp(path: str, *, tmp_dir: str) -> tuple[str, int]:
     return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
-WRITE_BATCH = 1 << 20  # bytes per pwritev (bench/profile.md, "Plain saves and the inode lock")
+WRITE_BATCH = 1 << 20  # bytes per pwritev (bench/profile.md, "Saves: bounded writes and one-buffer chunks")
 
 
 def pwrite_parts(fd: int, parts: list, offset: int) -> int:

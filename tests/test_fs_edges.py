@@ -279,7 +279,7 @@ def test_a_lease_file_is_taken_over_only_once_its_holder_is_gone(tmp_path):
     assert backend.lease_alive("locks/gc") is None
 
 
-def test_a_write_of_many_parts_is_cut_into_bounded_calls_and_lands_whole(tmp_path):
+def test_a_write_of_many_parts_is_cut_into_bounded_calls_and_lands_whole(tmp_path, monkeypatch):
     """pwrite_parts writes at most WRITE_BATCH bytes per call (other writers of the file wait on
     its inode lock while one call copies) yet puts every byte of every part at its place: parts
     cut across calls, more parts than one call takes, empty parts."""
@@ -287,6 +287,13 @@ def test_a_write_of_many_parts_is_cut_into_bounded_calls_and_lands_whole(tmp_pat
 
     from cas.fsutil import WRITE_BATCH, pwrite_parts
 
+    calls = []
+    real = os.pwritev
+
+    def pwritev(fd, buffers, offset):  # the real system call, its sizes noted
+        calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     rng = np.random.default_rng(7)
     sizes = [3, 0, WRITE_BATCH + 5, 1, *rng.integers(0, 5000, 700).tolist(), 2 * WRITE_BATCH, 17]
     parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
@@ -297,3 +304,4 @@ def test_a_write_of_many_parts_is_cut_into_bounded_calls_and_lands_whole(tmp_pat
     finally:
         os.close(fd)
     assert path.read_bytes()[11:] == b"".join(p.tobytes() for p in parts)
+    assert max(calls) <= WRITE_BATCH and len(calls) >= sum(sizes) // WRITE_BATCH
