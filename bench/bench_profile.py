@@ -126,6 +126,7 @@ def instrument(timers: Timers) -> None:
     import cas.localfs as localfs
     import cas.objectstore as objectstore
     import cas.packs as packs
+    import cas.slots as slots
     import cas.store.store as store_module
     import cas.store.pipeline as pipeline
 
@@ -134,6 +135,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(objectstore.WriteSession, "hold", "save.claim")
     timers.wrap(codecs.CodecPolicy, "encode", "save.encode")
     timers.wrap(codecs, "group_bytes", "save.encode.group")
+    timers.wrap(codecs, "group_planes", "save.encode.group")  # (a float chunk's planes straight into its frame)
     original_c = codecs._zstd_c
     codecs._zstd_c = lambda *a, **k: _TimedCompressor(original_c(*a, **k), timers)
     timers._undo.append((codecs, "_zstd_c", original_c))
@@ -152,7 +154,8 @@ def instrument(timers: Timers) -> None:
     timers.wrap(codecs, "_decompress_into", "load.zstd")
     timers.wrap(codecs, "ungroup_bytes", "load.ungroup")
     timers.wrap(crypt.EncryptedBackend, "seal", "save.seal")  # --key: AES-GCM, whole blobs
-    timers.wrap(crypt.SealedStream, "_seal", "save.seal")  # and segments of streamed packs
+    timers.wrap(crypt.SealedStream, "_seal", "save.seal")  # and segments of streamed packs (sealing 3)
+    timers.wrap(slots.SplitStream, "_seal", "save.seal")  # (sealing 4)
     timers.wrap(crypt.EncryptedBackend, "_open_segments", "load.decrypt")
     del packs
 
