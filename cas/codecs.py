@@ -217,8 +217,8 @@ class CodecPolicy:
         cctx = _zstd_c(self.level, floats=floats)
         if lo and hi == data.size:
             run_planes = scratch(hi - lo)
-            group_planes(data, group, {k: [(0, run_planes[(k - marked[0]) * plane:(k - marked[0] + 1) * plane])]
-                                       for k in range(marked[0], group)})
+            rows = run_planes.reshape(group - marked[0], plane)
+            group_planes(data, group, {k: [(0, rows[k - marked[0]])] for k in range(marked[0], group)})
             framed = _framed(cctx.compress(run_planes), data, group, lo, header)
             if framed is not None:
                 return [framed]

@@ -108,6 +108,13 @@ class StreamSealer:
         self._end = 0  # plain bytes: the furthest any write reached
         self._write(0, STREAM_MAGIC + salt)
 
+    def write_at(self, offset: int, parts: list) -> int:
+        """Seal and write a write's plain bytes at `offset` (each scheme's `_place`); its length."""
+        pieces = Pieces(parts)
+        if pieces.total:
+            self._place(offset, pieces)
+        return pieces.total
+
     def _write(self, at: int, data) -> None:
         if self._inner.write_at(at, [data]) != len(data):
             raise OSError("a sealed segment was written short")
@@ -168,12 +175,8 @@ class SealedStream(StreamSealer):
         finally:
             POOL.give(out)
 
-    def write_at(self, offset: int, parts: list) -> int:
-        pieces = Pieces(parts)
-        total = pieces.total
-        if not total:
-            return 0
-        end, seg = offset + total, self._seg
+    def _place(self, offset: int, pieces: Pieces) -> None:
+        end, seg = offset + pieces.total, self._seg
         whole_lo, whole_hi = -(-offset // seg), end // seg  # segments this write covers whole
         if whole_hi > whole_lo:
             buf = POOL.take(seg + TAG)
@@ -189,7 +192,6 @@ class SealedStream(StreamSealer):
             self._gather(i, lo - i * seg, pieces.views(lo - offset, hi - offset))
         with self._lock:
             self._end = max(self._end, end)
-        return total
 
     def _gather(self, i: int, at: int, parts: list) -> None:
         full = self._gathered(i, at, parts, self._seg)

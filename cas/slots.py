@@ -109,12 +109,8 @@ class SplitStream(StreamSealer):
         self._split: dict[int, int] = {}  # slot -> p
         self._sealed: set[tuple[int, int]] = set()
 
-    def write_at(self, offset: int, parts: list) -> int:
-        pieces = Pieces(parts)
-        total = pieces.total
-        if not total:
-            return 0
-        end, seg = offset + total, self._seg
+    def _place(self, offset: int, pieces: Pieces) -> None:
+        end, seg = offset + pieces.total, self._seg
         slots = range(offset // seg, (end - 1) // seg + 1)
         with self._lock:
             for i in slots:
@@ -138,7 +134,6 @@ class SplitStream(StreamSealer):
                     self._gather(i, kind, p, lo - base - a, b - a, views)
             if run:  # (B whole here: the slot is whole, so not the last)
                 self._seal(i, p, run, last=False)
-        return total
 
     def _seal(self, i: int, p: int, run: list, *, last: bool) -> None:
         """Seal messages of slot i, (kind, views) that lie one after the other (A then B, or
