@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from .backend import Buffer, Staged
 from .bitrot import first_fix
@@ -37,6 +36,7 @@ from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Layout, Piec
                        nonce, plain_size, sealed_size, segment_at)
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
+from .readahead import caches_bypassed
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
                    SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, SEGMENT_V1, MasterKey, StoreKeys,
                    add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
@@ -426,28 +426,6 @@ class EncryptedBackend:
         return self.inner.lease_alive(name)
 
 
-class _DiskReads:
-    """While a verify runs (reading_from_disk), every read of an encrypted blob, in any store
-    of the process, opens what is on disk: no segment opened earlier answers for it."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def forced(self) -> Iterator[None]:
-        with self._lock:
-            self.count += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.count -= 1
-
-
-_DISK_READS = _DiskReads()
-
-
 class _OpenedSegments:
     """A store's most recently opened edge segments of small objects, shared by its read
     threads, keyed by their blob's salt (random per write: a rewritten blob never matches),
@@ -467,7 +445,7 @@ class _OpenedSegments:
 
     @staticmethod
     def bypassing() -> bool:
-        return _DISK_READS.count > 0
+        return caches_bypassed()
 
     def copy_out(self, sealing: tuple, i: int, n: int, short: bool, dst, at: int) -> bool | None:
         """Copy segment i's plain bytes from `at` into `dst` if it was opened lately, as this
@@ -526,15 +504,6 @@ class _OpenedSegments:
 def _holds(entry: tuple, lo: int, hi: int) -> bool:
     """Whether a cached segment holds its plain bytes [lo, hi) opened."""
     return entry[3][0] <= lo and hi <= entry[3][1]
-
-
-def reading_from_disk():
-    """A context in which every read of an encrypted blob decrypts and authenticates what is on
-    disk now: no segment opened earlier, no salt read earlier. A verify runs in it: plaintext
-    opened before a blob was damaged would otherwise answer for the damaged blob."""
-    return _DISK_READS.forced()
-
-
 
 
 def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):

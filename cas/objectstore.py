@@ -84,7 +84,7 @@ class ObjectStore:
             try:
                 if rec is None or rec.where == WHERE_FILE:
                     return self.files.get(key, _read_buffer)
-                return self.packs.read(rec.pack, rec.offset, rec.stored_size, key, _read_buffer)
+                return self.packs.read(rec.pack, rec.offset, rec.stored_size, key, _read_buffer, ahead=True)
             except MissingObjectError:
                 # gc may have repacked it, or a recode moved it into a new pack, between our lookup
                 # and the read: look again (a cache no writer keeps first learns where it went)

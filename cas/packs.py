@@ -34,6 +34,7 @@ from .errors import BlobAbsentError, CasError, CorruptionError, MissingObjectErr
 from .fanout import Fanout
 from .crypt import namer_of
 from .hashing import to_hex
+from .readahead import Windows
 
 PACK_MAGIC = b"caspack2"
 PACK_MAGIC_V1 = b"caspack1"
@@ -75,6 +76,9 @@ class PackFiles(Fanout):
 
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend, PREFIX)
+        # in a bucket, where each read is a request and packs are never rewritten, small reads
+        # that ask to read ahead share windows (cas/readahead.py)
+        self.windows = Windows(backend) if not backend.capabilities.batched_sync else None
 
     def write(self, entries: list[tuple[bytes, bytes, int, bytes | None]], *, avoid=None,
               salt=None) -> tuple[bytes, list[tuple[bytes, int, int]]]:
@@ -132,12 +136,17 @@ class PackFiles(Fanout):
             return None
         return PackStream(self, opener(self.name(b"\0" * 32)))
 
-    def read(self, pack: bytes, offset: int, length: int, key: bytes, buffer=None):
+    def read(self, pack: bytes, offset: int, length: int, key: bytes, buffer=None, *, ahead: bool = False):
         """One entry's bytes, as the index places them (with `buffer`, read into the reusable
-        buffer it gives, as for object files)."""
+        buffer it gives, as for object files). `ahead`: the reader will read this entry's
+        neighbours next (a load's walk), so in a bucket a small one comes with its window."""
         try:
-            data = self.backend.get(self.name(pack), offset, length, buffer=buffer) \
-                if offset >= 0 and length >= 0 else b""
+            data = None
+            if ahead and self.windows is not None and offset >= 0:
+                data = self.windows.read(self.name(pack), offset, length)
+            if data is None:
+                data = self.backend.get(self.name(pack), offset, length, buffer=buffer) \
+                    if offset >= 0 and length >= 0 else b""
         except BlobAbsentError:
             raise MissingObjectError(f"pack {to_hex(pack)} holding the object is missing", key=to_hex(key)) from None
         except MissingObjectError as exc:

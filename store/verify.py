@@ -21,7 +21,7 @@ import lmdb
 
 from cas import faults
 from cas.codecs import parse_header
-from cas.crypt import reading_from_disk
+from cas.readahead import reading_from_disk
 from cas.errors import CasError, CheckpointNotFoundError, CorruptionError, MissingObjectError
 from cas.index import WHERE_PACK
 from cas.objectstore import MAX_CHAIN_DECODE
@@ -260,8 +260,9 @@ def _drop_removed(store, report: VerifyReport, checkpoints) -> None:
 
 
 def verify_checkpoints(store, checkpoints, *, quick: bool = False, progress=None) -> VerifyReport:
-    """Check every object the checkpoints need as it is on disk now (in an encrypted store, no
-    segment this process opened before answers for it: crypt.reading_from_disk)."""
+    """Check every object the checkpoints need as it is on disk now (no segment of an encrypted
+    store, no window of a bucket's pack that this process read before answers for it:
+    readahead.reading_from_disk)."""
     with reading_from_disk():
         return _verify_checkpoints(store, checkpoints, quick=quick, progress=progress)
 

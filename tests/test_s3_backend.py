@@ -82,6 +82,34 @@ def test_ranged_get_into_buffer_and_absent(backend):
         backend.get("../escape")
 
 
+def test_small_reads_share_windows_fetched_once_and_a_verify_reads_past_them(backend):
+    """readahead.Windows over a real bucket: reads inside one window cost one GET between them,
+    one that straddles two windows fetches both at once, a read past the blob's end or larger
+    than SMALL answers None (the caller reads it directly), and under reading_from_disk no
+    window answers (a verify must see the bucket's bytes as they are now)."""
+    from cas.readahead import SMALL, WINDOW, Windows, reading_from_disk
+
+    data = os.urandom(2 * WINDOW + 5000)
+    assert backend.put_if_absent("packs/ab/ab01", [data])
+    windows = Windows(backend, keep=2)
+    backend.requests.clear()
+    for start, length in ((100, 113), (300, 2000), (WINDOW - 200, 150)):  # all in window 0
+        assert bytes(windows.read("packs/ab/ab01", start, length)) == data[start:start + length]
+    assert dict(backend.requests) == {"GET": 1}
+    assert bytes(windows.read("packs/ab/ab01", 2 * WINDOW - 10, 40)) == data[2 * WINDOW - 10:2 * WINDOW + 30]
+    assert dict(backend.requests) == {"GET": 2}  # windows 1 and 2 in one read
+    assert bytes(windows.read("packs/ab/ab01", 2 * WINDOW + 4000, 1000)) == data[-1000:]  # the short last one
+    assert windows.read("packs/ab/ab01", 2 * WINDOW + 4000, 1001) is None  # past the end
+    assert windows.read("packs/ab/ab01", 0, SMALL + 1) is None
+    assert dict(backend.requests) == {"GET": 2}
+    assert bytes(windows.read("packs/ab/ab01", 10, 10)) == data[10:20]  # window 0 was evicted (keep=2)
+    assert dict(backend.requests) == {"GET": 3}
+    with reading_from_disk():
+        assert windows.read("packs/ab/ab01", 10, 10) is None
+    with pytest.raises(BlobAbsentError):
+        windows.read("packs/ab/none", 0, 10)
+
+
 def test_list_pages_beyond_1000_and_delete_many(backend):
     from concurrent.futures import ThreadPoolExecutor
 
