@@ -85,8 +85,9 @@ def test_ranged_get_into_buffer_and_absent(backend):
 def test_small_reads_share_windows_fetched_once_and_a_verify_reads_past_them(backend):
     """readahead.Windows over a real bucket: reads inside one window cost one GET between them,
     one that straddles two windows fetches both at once, a read past the blob's end or larger
-    than SMALL answers None (the caller reads it directly), and under reading_from_disk no
-    window answers (a verify must see the bucket's bytes as they are now)."""
+    than SMALL answers None (the caller reads it directly), and under reading_from_disk (a
+    verify, which must see the bucket's bytes as they are now) only windows fetched inside it
+    answer, and none of those after it."""
     from cas.readahead import SMALL, WINDOW, Windows, reading_from_disk
 
     data = os.urandom(2 * WINDOW + 5000)
@@ -104,8 +105,12 @@ def test_small_reads_share_windows_fetched_once_and_a_verify_reads_past_them(bac
     assert dict(backend.requests) == {"GET": 2}
     assert bytes(windows.read("packs/ab/ab01", 10, 10)) == data[10:20]  # window 0 was evicted (keep=2)
     assert dict(backend.requests) == {"GET": 3}
-    with reading_from_disk():
-        assert windows.read("packs/ab/ab01", 10, 10) is None
+    with reading_from_disk():  # a verify: no window fetched before answers, those it fetches do
+        assert bytes(windows.read("packs/ab/ab01", 10, 10)) == data[10:20]
+        assert bytes(windows.read("packs/ab/ab01", 30, 10)) == data[30:40]
+        assert dict(backend.requests) == {"GET": 4}
+    assert bytes(windows.read("packs/ab/ab01", 10, 10)) == data[10:20]  # nor after it
+    assert dict(backend.requests) == {"GET": 5}
     with pytest.raises(BlobAbsentError):
         windows.read("packs/ab/none", 0, 10)
 

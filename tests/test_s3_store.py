@@ -143,7 +143,8 @@ def test_a_fresh_host_reads_a_checkpoints_small_objects_a_window_at_a_time(s3_ur
 
 def test_a_verify_reads_the_bucket_as_it_is_now_not_the_windows_a_load_read(s3_url, tmp_path):
     """A load fetched the windows holding the small objects; the pack is damaged in the bucket
-    afterwards: a verify of the same open store finds it (no window answers a verify), and a
+    afterwards: a verify of the same open store finds it (no window fetched before it answers),
+    reading the pack once for its 243 objects (its own windows; it made 392 GETs before), and a
     new host's load refuses it."""
     with host(s3_url, tmp_path, "a") as store:
         store.save(small_tensors(2), step=1)
@@ -157,8 +158,10 @@ def test_a_verify_reads_the_bucket_as_it_is_now_not_the_windows_a_load_read(s3_u
         data[entry.offset + entry.length // 2] ^= 0xFF  # inside an object the load read
         backend.delete(name)
         assert backend.put_if_absent(name, [bytes(data)])
+        reader.backend.requests.clear()
         report = reader.verify()
         assert not report.ok and report.problems, report
+        assert reader.backend.requests["GET"] <= 3, dict(reader.backend.requests)  # (its own windows: 243 objects)
     with host(s3_url, tmp_path, "c") as fresh:
         with pytest.raises(cas.CorruptionError):
             fresh.load(1)
