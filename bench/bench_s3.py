@@ -18,7 +18,10 @@ Measured, on the same state (a transformer-like dict of float32 tensors):
      Each system runs twice: once straight at the server, timed, and once through a counting
      HTTP proxy (bench/countproxy.py), which gives the request counts of every client alike
      (cas's own store.backend.requests is checked against it and the agreement printed).
-     cas keeps its store open between saves, as a trainer does; its loads are timed on a fresh
+     cas keeps its store open between saves, as a trainer does, and after each timed save waits
+     (untimed) for the work the save leaves running, the recode of the checkpoint before as
+     deltas and the sweep after it (their requests printed apart): another host's load does not
+     share its cores. Its loads are timed on a fresh
      host (a new cache_dir: cas.open + load, every byte from the bucket, every byte verified),
      and again on the saving host's open store, column "(here)" (its bytes from the bucket too).
      DCP writes each checkpoint to its own folder (it has no dedup), with sync_files=False
@@ -128,6 +131,12 @@ class CasSystem:
         self.store.backend.requests.clear()
         self.store.save(state, step=step)
         return dict(self.store.backend.requests)
+
+    def settle(self) -> None:
+        """Wait for what a save leaves running (the recode of the checkpoint before as deltas,
+        the sweep after it): untimed, so that the next host's load does not share these cores
+        and the server with it, as another host would not."""
+        self.store.wait()
 
     def load(self, step: int, like: dict) -> tuple[dict, dict]:
         fresh = os.path.join(self.env.scratch, f"fresh-{secrets.token_hex(4)}")
@@ -247,6 +256,9 @@ def run_system(kind, env: Env, states: list[dict], proxy: CountingProxy | None, 
             own_save = system.save(state, step)
             save_s = time.perf_counter() - t0
             wire_save = proxy.reset() if proxy else None
+            if hasattr(system, "settle"):
+                system.settle()
+            wire_background = proxy.reset() if proxy else None
             t0 = time.perf_counter()
             loaded, own_load = system.load(step, state)
             load_s = time.perf_counter() - t0
@@ -267,7 +279,7 @@ def run_system(kind, env: Env, states: list[dict], proxy: CountingProxy | None, 
                            "load_here_MBps": here_s and round(size / MB / here_s, 1),
                            "bucket_bytes": stored, "bucket_objects": objects,
                            "own_count_save": own_save, "own_count_load": own_load,
-                           "wire_save": wire_save, "wire_load": wire_load}
+                           "wire_save": wire_save, "wire_background": wire_background, "wire_load": wire_load}
             log(f"{kind.name} {stage}: save {save_s:.2f} s, load {load_s:.2f} s"
                 f"{' (via proxy)' if proxy else ''}")
     finally:
@@ -293,7 +305,7 @@ def compare(env: Env, proxy: CountingProxy, states: list[dict], lister) -> dict:
             log(f"{kind.name}: {out[kind.name]['skipped']}")
             continue
         for stage in STAGES:
-            for field in ("own_count_save", "own_count_load", "wire_save", "wire_load"):
+            for field in ("own_count_save", "own_count_load", "wire_save", "wire_background", "wire_load"):
                 timed[stage][field] = counted[stage][field]
             timed[stage]["via_proxy"] = {k: counted[stage][k] for k in ("save_MBps", "load_MBps", "load_here_MBps")}
         out[kind.name] = timed
@@ -408,6 +420,8 @@ def print_table(results: dict) -> None:
                   f"{requests_of(r['wire_save'])} / {requests_of(r['wire_load'])}{ratio}")
     if "cas" in systems:
         print(f"\ncas's own request counts (store.backend.requests) match the proxy's: {counts_agree(systems['cas'])}")
+        print("cas's requests after each save returned (the recode as deltas, the sweep), waited for before the load: "
+              + "; ".join(f"{stage} {requests_of(systems['cas'][stage]['wire_background'])}" for stage in STAGES))
     print("\ncas segment size (full save, fresh-host load):")
     for seg, r in results["segments"].items():
         print(f"  {seg:>6}: save {r['save_MBps']:>7} MB/s, load {r['load_MBps']:>7} MB/s, {r['save_PUTs']} PUTs, "
