@@ -36,7 +36,7 @@ from .segments import (BLOB_MAGIC, HEADER, SALT, STREAM_MAGIC, TAG, Layout, Piec
                        nonce, plain_size, sealed_size, segment_at)
 from .errors import BlobAbsentError, CorruptionError
 from .hashing import Namer
-from .readahead import caches_bypassed
+from .readahead import read_generation
 from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, SCRYPT_ENV,  # noqa: F401
                    SCRYPT_LOG_N, SCRYPT_P, SCRYPT_R, ENCRYPTION_VERSION, SEGMENT, SEGMENT_V1, MasterKey, StoreKeys,
                    add_key, aead_cipher, check_fields, check_of, encryption_fields, invalid_tag, key_blob,
@@ -88,7 +88,7 @@ class EncryptedBackend:
         self.keys = keys
         self.namer = keys.namer
         self.capabilities = inner.capabilities
-        self._salts: dict[str, tuple[bytes, bytes]] = {}  # blob name -> (salt, aad), for ranged reads (bounded)
+        self._salts: dict[str, tuple] = {}  # blob name -> its sealing (_salt), for ranged reads (bounded)
         self._opened = _OpenedSegments()  # edge segments opened lately, shared by the read threads
         # small blobs (MENDED_PREFIXES) read as sealed: one bit or byte of their stored bytes is
         # damaged, and the AEAD tags proved which (cas/bitrot.py); name -> the sealed bytes as written
@@ -136,15 +136,18 @@ class EncryptedBackend:
         return CorruptionError(f"{name} fails its authentication check ({why}: damaged or tampered ciphertext)",
                                key=_key_of(name))
 
-    def _salt(self, name: str, head) -> tuple:
-        """(salt, associated data, key check) of a blob, from its header."""
+    def _salt(self, name: str, head, generation: int) -> tuple:
+        """(salt, associated data, key check, read generation) of a blob, from its header read
+        in `generation` (readahead.read_generation, taken before the read): what its segments
+        are opened with and kept under in the segment cache, and which a verify, in a later
+        generation, does not take from the cache."""
         magic = bytes(head[:len(BLOB_MAGIC)]) if len(head) >= HEADER else b""
         if magic not in (BLOB_MAGIC, STREAM_MAGIC):
             raise self._damaged(name, "no encrypted blob header")
         # (salt, associated data, the master key's check): the last keeps another store's segments,
         # opened under its key, from answering for this one in the thread's segment cache
         sealing = (bytes(head[len(BLOB_MAGIC):HEADER]), _aad(name) if magic == BLOB_MAGIC else _stream_aad(name),
-                   self.keys.check)
+                   self.keys.check, generation)
         if len(self._salts) > 4096:
             self._salts.clear()
         self._salts[name] = sealing
@@ -160,7 +163,7 @@ class EncryptedBackend:
         end, whose last segment must say it is the last. `want` (scheme 4, a large read into
         whole segments): the plain bytes of `body` asked for; a split segment's message outside
         them is not opened."""
-        (salt, aad, _), invalid, seg = sealing, invalid_tag(), self.segment
+        (salt, aad, _, _), invalid, seg = sealing, invalid_tag(), self.segment
         aead = self.keys.blob_aead(salt)
         body, end = memoryview(body), skip + len(out)
         pos, plain, i = 0, 0, first
@@ -244,20 +247,21 @@ class EncryptedBackend:
                 held.append(_POOL.take(nbytes))
                 return memoryview(held[-1])
             try:
+                generation = read_generation()
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
                 if name in self.mended and bytes(sealed) != self.mended[name]:
                     sealed = self.mended[name]
                 size = self.layout.plain_size(len(sealed))
                 out = _output(buffer, size)
                 try:
-                    self._open_segments(name, self._salt(name, sealed), memoryview(sealed)[HEADER:], 0,
+                    self._open_segments(name, self._salt(name, sealed, generation), memoryview(sealed)[HEADER:], 0,
                                         memoryview(out), whole=True)
                 except CorruptionError:
                     written = self._mend(name, bytes(sealed))
                     if written is None:
                         raise
-                    self._open_segments(name, self._salt(name, written), memoryview(written)[HEADER:], 0,
-                                        memoryview(out), whole=True)
+                    self._open_segments(name, self._salt(name, written, generation), memoryview(written)[HEADER:],
+                                        0, memoryview(out), whole=True)
             finally:
                 for one in held:
                     _POOL.give(one)
@@ -278,8 +282,8 @@ class EncryptedBackend:
         def opens(candidate) -> bool:
             out = memoryview(bytearray(self.layout.plain_size(len(candidate))))
             try:
-                self._open_segments(name, self._salt(name, bytes(candidate)), memoryview(candidate)[HEADER:], 0, out,
-                                    whole=True)
+                self._open_segments(name, self._salt(name, bytes(candidate), read_generation()),
+                                    memoryview(candidate)[HEADER:], 0, out, whole=True)
                 return True
             except CorruptionError:
                 return False
@@ -292,6 +296,11 @@ class EncryptedBackend:
     def still_mended(self, name: str) -> bool:
         """Whether `name` is read as written while its stored bytes are still the damaged ones."""
         return name in self.mended and bytes(self.inner.get(name)) != self.mended[name]
+
+    def _known_salt(self, name: str, generation: int) -> tuple | None:
+        """The blob's sealing as read earlier in this read generation, else None (read it)."""
+        sealing = self._salts.get(name)
+        return sealing if sealing is not None and sealing[3] == generation else None
 
     def _ranged(self, name: str, start: int, length: int, buffer: Buffer | None = None):
         """Plain bytes [start, start + length) of a blob. An object of a segment or more (a
@@ -308,13 +317,14 @@ class EncryptedBackend:
         first, last = start // seg, (start + length - 1) // seg
         cstart = layout.at(first)
         clen = (last - first + 1) * (seg + layout.over)
-        sealing = self._salts.get(name)
-        if sealing is not None and length <= seg and not self._opened.bypassing():
+        generation = read_generation()  # (before any read: a verify begun meanwhile keeps nothing of this one)
+        sealing = self._known_salt(name, generation)
+        if sealing is not None and length <= seg:
             into = _output(buffer, length)
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
         for attempt in range(2):
-            sealing = self._salts.get(name) if attempt == 0 and not self._opened.bypassing() else None
+            sealing = self._known_salt(name, generation) if attempt == 0 else None
             held: list = []
 
             def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
@@ -323,10 +333,10 @@ class EncryptedBackend:
             try:
                 if sealing is None and cstart <= _RANGE_FROM_ZERO:
                     sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
-                    sealing, body = self._salt(name, sealed), sealed[cstart:]
+                    sealing, body = self._salt(name, sealed, generation), sealed[cstart:]
                 else:
                     if sealing is None:
-                        sealing = self._salt(name, self.inner.get(name, 0, HEADER))
+                        sealing = self._salt(name, self.inner.get(name, 0, HEADER), generation)
                     body = self.inner.get(name, cstart, clen, buffer=pooled)
                 skip, want = start - first * seg, None
                 if length >= seg:  # a large object: every covering segment decrypts in place, edges too
@@ -362,8 +372,9 @@ class EncryptedBackend:
         if plain_blob(staged.name):
             return self.inner.peek(staged, nbytes)
         segs = max(1, -(-nbytes // self.segment))
+        generation = read_generation()
         size, head = self.inner.peek(staged, self.layout.at(segs))
-        sealing = self._salt(staged.name, head)
+        sealing = self._salt(staged.name, head, generation)
         body = memoryview(head)[HEADER:]
         out = bytearray(len(body))
         n = self._open_segments(staged.name, sealing, body, 0, memoryview(out), whole=len(head) == size)
@@ -430,7 +441,9 @@ class _OpenedSegments:
     """A store's most recently opened edge segments of small objects, shared by its read
     threads, keyed by their blob's salt (random per write: a rewritten blob never matches),
     associated data (a blob copied under another name opens nothing from here), the master
-    key's check and number. A segment that holds several small objects of a pack is decrypted
+    key's check, the read generation it was read in (a verify, which moves the generation on,
+    opens what is on disk now, and its own opened segments answer its own reads:
+    readahead.reading_from_disk) and number. A segment that holds several small objects of a pack is decrypted
     once, whichever read thread comes first (each would otherwise decrypt it again: on a small
     model as many bytes again as the whole payload). Only authenticated plaintext enters, and an
     entry is a pool buffer, copied from and evicted only under the lock.
@@ -443,16 +456,10 @@ class _OpenedSegments:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    @staticmethod
-    def bypassing() -> bool:
-        return caches_bypassed()
-
     def copy_out(self, sealing: tuple, i: int, n: int, short: bool, dst, at: int) -> bool | None:
         """Copy segment i's plain bytes from `at` into `dst` if it was opened lately, as this
         read would open it (n bytes; a short one marked as the last, a whole one either way),
         and say whether it was marked the last; None if it is not here."""
-        if self.bypassing():
-            return None
         with self._lock:  # (an entry is given back to the pool when evicted: never while copied from)
             entry = self._table.get((sealing, i))
             if entry is None or entry[1] != n or (short and not entry[2]) or not _holds(entry, at, at + len(dst)):
@@ -463,8 +470,6 @@ class _OpenedSegments:
     def copy_range(self, sealing: tuple, first: int, at: int, dst, segment: int) -> bool:
         """Copy plain bytes from `at` in segment `first` on into `dst` (reaching into the next
         segment at most) if the segments opened lately hold all of them; False otherwise."""
-        if self.bypassing():
-            return False
         with self._lock:
             parts, lo, hi = [], at, at + len(dst)
             for i in (first, first + 1) if hi > segment else (first,):

@@ -1054,6 +1054,35 @@ def test_verify_reads_what_is_on_disk_not_what_this_process_decrypted_before(tmp
         assert not store.verify().ok
 
 
+def test_a_verify_opens_each_segment_once_and_nothing_opened_before_it(tmp_path):
+    """A verify read every small object's segment from disk again (nothing opened before it may
+    answer it): 800 small tensors took 5x their plain store's verify, reading their pack 3204
+    times. What a verify opens now answers its own later reads (the read generation): the pack
+    is read once; and damage made after a load opened the segments is still found."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"l{i}": {"w": torch.randn(8, 16, generator=g), "b": torch.randn(8, generator=g)} for i in range(400)}
+    with cas.open(tmp_path / "s", key="k") as store:
+        store.save(state, step=1)
+        inner, reads = store.backend.inner, []
+        real_get = inner.get
+
+        def counting_get(name, *args, **kwargs):
+            if name.startswith("packs/"):
+                reads.append(name)
+            return real_get(name, *args, **kwargs)
+        inner.get = counting_get
+        assert_same(store.load(1), state)  # (its segments opened and kept)
+        reads.clear()
+        assert store.verify().ok
+        assert 0 < len(reads) <= 4, len(reads)  # (1200 objects, nodes and chunks, in one pack: it was 3204 reads)
+        packs = [os.path.join(folder, name) for folder, _, names in os.walk(tmp_path / "s" / "packs") for name in names]
+        for path in packs:
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 1
+            open(path, "wb").write(bytes(data))
+        assert not store.verify().ok
+
+
 def test_a_bucket_store_whose_creation_stopped_after_its_key_blob_is_created_at_the_next_open(s3_url, tmp_path):
     """A kill between the first key blob's PUT and the config's left a prefix holding one key
     blob: every later open was "not a cas store: open an empty prefix to create one", and the
