@@ -144,8 +144,9 @@ class EncryptedBackend:
         magic = bytes(head[:len(BLOB_MAGIC)]) if len(head) >= HEADER else b""
         if magic not in (BLOB_MAGIC, STREAM_MAGIC):
             raise self._damaged(name, "no encrypted blob header")
-        # (salt, associated data, the master key's check): the last keeps another store's segments,
-        # opened under its key, from answering for this one in the thread's segment cache
+        # (salt, associated data, the master key's check, the read generation): the key check keeps
+        # another store's segments, opened under its key, from answering for this one in the
+        # segment cache; the generation keeps what was opened before a verify from answering it
         sealing = (bytes(head[len(BLOB_MAGIC):HEADER]), _aad(name) if magic == BLOB_MAGIC else _stream_aad(name),
                    self.keys.check, generation)
         if len(self._salts) > 4096:
@@ -443,9 +444,9 @@ class _OpenedSegments:
     associated data (a blob copied under another name opens nothing from here), the master
     key's check, the read generation it was read in (a verify, which moves the generation on,
     opens what is on disk now, and its own opened segments answer its own reads:
-    readahead.reading_from_disk) and number. A segment that holds several small objects of a pack is decrypted
-    once, whichever read thread comes first (each would otherwise decrypt it again: on a small
-    model as many bytes again as the whole payload). Only authenticated plaintext enters, and an
+    readahead.reading_from_disk) and number. A segment that holds several small objects of a
+    pack is decrypted once, whichever read thread comes first (each would otherwise decrypt it
+    again: on a small model as many bytes again as the whole payload). Only authenticated plaintext enters, and an
     entry is a pool buffer, copied from and evicted only under the lock.
     It lives as long as the store's open: a new open (repair, another process) reads the disk."""
 
