@@ -19,6 +19,7 @@ from .backend import Backend
 from .buffers import ThreadBuffer
 from .objectfiles import FileObjects
 from .packs import PACK_TARGET, STREAM_TARGET, PackFiles
+from .readahead import SMALL as SMALL_READ
 from .leases import LEASE_PREFIX, begin_lease, lease_name
 from .session import WriteSession
 
@@ -153,11 +154,17 @@ class ObjectStore:
     def header_at(self, key: bytes, rec: ObjectRecord) -> Header:
         """The codec header of the copy of `key` that `rec` places (a pack entry or its file),
         read alone: which kind of delta a copy is, without decoding it."""
+        return parse_header(self.head(key, rec), key=key)
+
+    def head(self, key: bytes, rec: ObjectRecord, nbytes: int = HEADER_READ):
+        """The first `nbytes` of the copy `rec` places, read alone. A small object's comes with
+        its window in a bucket (cas/readahead.py): small objects lie side by side in packs and
+        a pass over heads reads their neighbours next; a large one's is read alone (chunks' heads
+        are megabytes apart)."""
         if rec.where == WHERE_PACK:
-            data = self.packs.read(rec.pack, rec.offset, min(rec.stored_size, HEADER_READ), key)
-        else:
-            data = self.files.head(key, HEADER_READ)
-        return parse_header(data, key=key)
+            return self.packs.read(rec.pack, rec.offset, min(rec.stored_size, nbytes), key,
+                                   ahead=rec.stored_size <= SMALL_READ)
+        return self.files.head(key, nbytes)
 
     def codec_of(self, key: bytes) -> str:
         return parse_header(self.fetch(key), key=key).codec_name

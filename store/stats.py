@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cas.codecs import parse_header
 from cas.errors import CorruptionError
-from cas.index import WHERE_PACK, Index
+from cas.index import Index
 from cas.objectstore import ObjectStore
 
 from .registry import Registry
@@ -123,11 +123,7 @@ def codec_usage(index: Index, objects: ObjectStore) -> dict[str, dict]:
         records = list(index.iter_records(txn))
     for key, rec in records:
         try:
-            if rec.where == WHERE_PACK:
-                head = objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
-            else:
-                head = objects.files.head(key, 64)
-            header = parse_header(head, key=key)
+            header = parse_header(objects.head(key, rec, 64), key=key)
             name, header_bytes = header.codec_name, header.payload_offset
         except CorruptionError:
             name, header_bytes = "unreadable", 0

@@ -135,9 +135,10 @@ def registry_problems(store) -> list[Problem]:
     return out
 
 
-def check_present(objects, key: bytes, _depth: int = 0) -> int:
+def check_present(objects, key: bytes, _depth: int = 0, pack_sizes: dict | None = None) -> int:
     """Presence, size and header of an object, and of its delta bases, from the index, without
-    reading its payload."""
+    reading its payload. `pack_sizes`: the sizes of packs asked already in this check (in a
+    bucket each is a HEAD, and a pack holds hundreds of chunks)."""
     rec = objects.record(key)
     if rec is None and objects.on_missing is not None:  # the index may have lost it: the store's look
         objects.on_missing(key, None)
@@ -145,7 +146,10 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
     if rec is None:
         raise MissingObjectError("object is not in the index", key=key.hex())
     if rec.where == WHERE_PACK:
-        size = objects.packs.size(rec.pack)
+        known = pack_sizes if pack_sizes is not None else {}
+        if rec.pack not in known:
+            known[rec.pack] = objects.packs.size(rec.pack)
+        size = known[rec.pack]
         if size is None:
             raise MissingObjectError(f"pack {rec.pack.hex()} holding the object is missing", key=key.hex())
         if rec.offset + rec.stored_size > size:
@@ -159,7 +163,7 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
     check_header(objects, key, rec)
     if rec.base is not None and _depth < MAX_CHAIN_DECODE:
         try:
-            check_present(objects, rec.base, _depth + 1)
+            check_present(objects, rec.base, _depth + 1, pack_sizes)
         except CorruptionError as exc:
             raise CorruptionError(f"the delta base of this object is damaged: {exc}", key=key.hex()) from None
     return rec.raw_size
@@ -168,11 +172,7 @@ def check_present(objects, key: bytes, _depth: int = 0) -> int:
 def check_header(objects, key: bytes, rec) -> None:
     """The object's header parses and says what its index record says (raw size, delta base):
     one small read, which finds a damaged header but not a damaged payload."""
-    if rec.where == WHERE_PACK:
-        head = objects.packs.read(rec.pack, rec.offset, min(rec.stored_size, 64), key)
-    else:
-        head = objects.files.head(key, 64)
-    header = parse_header(head, key=key)
+    header = parse_header(objects.head(key, rec, 64), key=key)
     if (header.raw_size, header.base) != (rec.raw_size, rec.base):
         raise CorruptionError(f"object header says {header.raw_size} raw bytes and delta base "
                               f"{header.base.hex() if header.base else None}, the index {rec.raw_size} and "
@@ -272,11 +272,13 @@ def _verify_checkpoints(store, checkpoints, *, quick: bool, progress) -> VerifyR
     verdict: dict[bytes, CorruptionError | None] = {}
 
     sizes: dict[bytes, int] = {}
+    pack_sizes: dict[bytes, int | None] = {}  # (a quick check's: each pack's size asked once)
 
     def check(key: bytes, span: tuple[int, int]) -> CorruptionError | None:
         if key not in verdict:
             try:
-                sizes[key] = check_present(store.objects, key) if quick else store.objects.get(key).size
+                sizes[key] = check_present(store.objects, key, pack_sizes=pack_sizes) if quick else \
+                    store.objects.get(key).size
                 report.checked_chunks += 1
                 report.checked_bytes += sizes[key]
                 verdict[key] = None

@@ -167,6 +167,35 @@ def test_a_verify_reads_the_bucket_as_it_is_now_not_the_windows_a_load_read(s3_u
             fresh.load(1)
 
 
+def test_a_quick_verify_and_the_codec_census_ask_for_each_pack_once(s3_url, tmp_path):
+    """`verify --quick` asked for its pack's size (a HEAD) and read its 64-byte header (a GET)
+    once per chunk, and `cas du --codecs` read each object's header with a GET of its own: 100
+    HEADs and 99 GETs, and 243 GETs, for 96 small tensors. Pack sizes are now asked once per
+    verify, and the heads of small objects come with their windows. A header damaged in the
+    bucket after that is still found by the next quick verify of the same open store."""
+    with host(s3_url, tmp_path, "a") as store:
+        store.save(small_tensors(3), step=1)
+        backend = store.backend
+    with host(s3_url, tmp_path, "b") as reader:
+        reader.backend.requests.clear()
+        assert reader.verify(quick=True).ok
+        quick = dict(reader.backend.requests)
+        reader.backend.requests.clear()
+        assert sum(u["objects"] for u in reader.codec_usage().values()) == 243
+        census = dict(reader.backend.requests)
+        assert quick.get("HEAD", 0) <= 6 and quick.get("GET", 0) <= 4, quick
+        assert census.get("GET", 0) <= 2, census
+        name = max(backend.list("packs/"), key=backend.stat)
+        data = bytearray(backend.get(name))
+        entries = reader.objects.packs.listed(bytes.fromhex(name.rpartition("/")[2]), len(data))
+        chunk = next(e for e in entries if e.raw_size == 8 * 16 * 4)  # a weight's chunk
+        data[chunk.offset + 10] ^= 0xFF  # in its codec header
+        backend.delete(name)
+        assert backend.put_if_absent(name, [bytes(data)])
+        report = reader.verify(quick=True)
+        assert not report.ok and report.problems[0].key == chunk.key.hex(), report
+
+
 def test_an_open_host_sees_what_other_hosts_commit_later(s3_url, tmp_path):
     """A host's cache was brought up to date only at open and by its own saves and gc: a host
     polling an open store for new checkpoints saw none, `load()` returned the old latest and
