@@ -9,8 +9,10 @@ plain / encrypted (which goes first alternating too), `repeats` times after one 
 them say more about the machine's swings than about the cipher): a full save into a fresh
 store (timed from store.save() to its return; the store is opened untimed, so the KDF is not in
 it), then a load of it (store.load(), every byte verified; the page cache warm, as right after
-the save). Wall time and the process's CPU time (all threads) are both reported: CPU time says
-what encryption costs in work, wall time what a caller waits. Figures are the min (the machine's capability: this 2-core VM is shared, and the
+the save), and once more after its files were evicted from the page cache (fsync and
+POSIX_FADV_DONTNEED, as bench_profile.py --cold: what a restore on a fresh host reads). Wall
+time and the process's CPU time (all threads) are both reported: CPU time says what encryption
+costs in work, wall time what a caller waits. Figures are the min (the machine's capability: this 2-core VM is shared, and the
 same save swings 2x from run to run, mostly in fsync) and the median of the repetitions; the
 ratios are encrypted / plain of the mins (medians beside them). The encrypted store is opened
 with a passphrase (scrypt at its default strength, untimed). Last, the cipher alone: AES-256-GCM
@@ -34,8 +36,10 @@ import time
 import torch
 
 import cas
+from bench_profile import drop_cache
 
 SMALL_FACTOR = 4
+OPS = ("save", "load", "save_cpu", "load_cpu", "load_cold")
 
 
 def randn_state() -> dict:
@@ -56,8 +60,9 @@ def trained_state() -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 20}
 
 
-def one(state: dict, root: str, key) -> tuple[float, float, float, float]:
-    """(save wall, load wall, save CPU, load CPU) seconds; CPU is the process's, all threads."""
+def one(state: dict, root: str, key) -> tuple[float, float, float, float, float]:
+    """(save wall, load wall, save CPU, load CPU, cold load wall) seconds; CPU is the process's,
+    all threads; the cold load reads the store again after its files left the page cache."""
     path = os.path.join(root, "enc" if key else "plain")
     shutil.rmtree(path, ignore_errors=True)
     with cas.open(path, key=key) as store:
@@ -68,8 +73,13 @@ def one(state: dict, root: str, key) -> tuple[float, float, float, float]:
         t, c = time.perf_counter(), time.process_time()
         store.load(1)
         load, load_cpu = time.perf_counter() - t, time.process_time() - c
+    drop_cache(path)
+    with cas.open(path, key=key) as store:
+        t = time.perf_counter()
+        store.load(1)
+        cold = time.perf_counter() - t
     shutil.rmtree(path, ignore_errors=True)
-    return save, load, save_cpu, load_cpu
+    return save, load, save_cpu, load_cpu, cold
 
 
 def measure(name: str, state: dict, root: str, repeats: int) -> dict:
@@ -81,10 +91,10 @@ def measure(name: str, state: dict, root: str, repeats: int) -> dict:
             runs[kind].append(one(state, root, None if kind == "plain" else "bench passphrase"))
     out = {"state": name, "tensor_bytes": nbytes}
     for kind in runs:
-        for i, op in enumerate(("save", "load", "save_cpu", "load_cpu")):
+        for i, op in enumerate(OPS):
             out[f"{kind}_{op}_s"] = min(r[i] for r in runs[kind])
             out[f"{kind}_{op}_median_s"] = statistics.median(r[i] for r in runs[kind])
-    for op in ("save", "load", "save_cpu", "load_cpu"):
+    for op in OPS:
         out[f"{op}_ratio"] = out[f"encrypted_{op}_s"] / out[f"plain_{op}_s"]
         out[f"{op}_ratio_median"] = out[f"encrypted_{op}_median_s"] / out[f"plain_{op}_median_s"]
     return out
@@ -182,6 +192,10 @@ def main() -> None:
         print(f"{r['state']:22} {'':4} {r['plain_save_cpu_s']:10.3f}s {r['encrypted_save_cpu_s']:8.3f}s "
               f"{r['save_cpu_ratio']:7.3f} ({r['save_cpu_ratio_median']:.3f}) {r['plain_load_cpu_s']:10.3f}s "
               f"{r['encrypted_load_cpu_s']:8.3f}s {r['load_cpu_ratio']:7.3f} ({r['load_cpu_ratio_median']:.3f})")
+    print("load from a cold page cache (the store's files evicted first: a restore on a fresh host):")
+    for r in rows:
+        print(f"{r['state']:22} {'':4} {r['plain_load_cold_s']:10.3f}s {r['encrypted_load_cold_s']:8.3f}s "
+              f"{r['load_cold_ratio']:7.3f} ({r['load_cold_ratio_median']:.3f})")
     aes = aes_gcm()
     print("AES-256-GCM decrypt_into, GB/s (1 thread / 2 threads): "
           f"64 KiB calls {aes['gb_s_64k_1t']:.2f} / {aes['gb_s_64k_2t']:.2f}, "
