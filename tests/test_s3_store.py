@@ -169,9 +169,9 @@ def test_a_verify_reads_the_bucket_as_it_is_now_not_the_windows_a_load_read(s3_u
 
 def test_a_quick_verify_and_the_codec_census_ask_for_each_pack_once(s3_url, tmp_path):
     """`verify --quick` asked for its pack's size (a HEAD) and read its 64-byte header (a GET)
-    once per chunk, and `cas du --codecs` read each object's header with a GET of its own: 100
-    HEADs and 99 GETs, and 243 GETs, for 96 small tensors. Pack sizes are now asked once per
-    verify, and the heads of small objects come with their windows. A header damaged in the
+    once per chunk, and `cas du` (its per-codec census) read each object's header with a GET
+    of its own: 100 HEADs and 99 GETs, and 243 GETs, for 96 small tensors. Pack sizes are now
+    asked once per verify, and the heads of small objects come with their windows. A header damaged in the
     bucket after that is still found by the next quick verify of the same open store."""
     with host(s3_url, tmp_path, "a") as store:
         store.save(small_tensors(3), step=1)
