@@ -27,6 +27,7 @@ class BufferPool:
         self._free: list[np.ndarray] = []
         self._keep = keep
         self._lock = threading.Lock()
+        self.made = 0  # new buffers made so far (the rest were reused)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of at least `nbytes` (the smallest kept one that fits, else a new one)."""
@@ -34,6 +35,7 @@ class BufferPool:
             fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
             if fits:  # (by position: arrays compare element by element, so list.remove is out)
                 return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+            self.made += 1
         return np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:

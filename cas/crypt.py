@@ -98,6 +98,12 @@ class EncryptedBackend:
         # (cas/packs.py PackFiles.stream asks for this attribute).
         self.stream = self._open_stream if streams and getattr(inner, "stream", None) is not None else None
 
+    def release_buffers(self) -> None:
+        """Give the opened segments' buffers back to the process's pool: a closed store's would
+        otherwise be freed with it, and the next store's reads would fault in fresh pages (slow
+        to touch on a VM; measured: 4 new buffers, 7 MiB, per load of a small model)."""
+        self._opened.clear()
+
     def __getattr__(self, attr):  # path(), root, url, ...: the inner backend's
         return getattr(self.inner, attr)
 
@@ -506,6 +512,12 @@ class _OpenedSegments:
         self._bytes -= len(entry[0])
         _POOL.give(entry[0])
 
+    def clear(self) -> None:
+        """Give every entry back to the pool (the store closes: the next store's reads reuse them)."""
+        with self._lock:
+            while self._table:
+                self._drop(self._table.popitem()[1])
+
 
 def _holds(entry: tuple, lo: int, hi: int) -> bool:
     """Whether a cached segment holds its plain bytes [lo, hi) opened."""
@@ -518,6 +530,12 @@ def wrap(backend, keys: StoreKeys | None, version: int = ENCRYPTION_VERSION):
     if keys is None or isinstance(backend, EncryptedBackend):
         return backend
     return EncryptedBackend(backend, keys, streams=version >= 2, segment=segment_of(version), split=version >= 4)
+
+
+def release_buffers(backend) -> None:
+    """What a store does as it closes: an encrypted backend's cached buffers go back to the pool."""
+    if isinstance(backend, EncryptedBackend):
+        backend.release_buffers()
 
 
 def namer_of(backend) -> Namer:

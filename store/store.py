@@ -155,6 +155,7 @@ class CheckpointStore(CacheKeeping, Loading, RegistryChanges):
             self._pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._read_pool.shutdown(wait=True)
+            crypt.release_buffers(self.backend)
             self._close_cache()
 
     def __enter__(self) -> "CheckpointStore":
