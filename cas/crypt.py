@@ -44,6 +44,7 @@ from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, S
                    user_key)
 
 _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the header with it
+_TIGHT_FROM = 64 << 10  # a read across a slot's end from this size fetches only its messages (slots.open_range)
 
 
 # --- the encrypted backend -------------------------------------------------------------------
@@ -330,6 +331,13 @@ class EncryptedBackend:
             into = _output(buffer, length)
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
+        if layout.split and first < last and length >= _TIGHT_FROM and (sealing is not None or
+                                                                        cstart > _RANGE_FROM_ZERO):
+            if sealing is None:
+                sealing = self._salt(name, self.inner.get(name, 0, HEADER), generation)
+            tight = self._tight_range(name, sealing, start, length, buffer)
+            if tight is not None:
+                return tight
         for attempt in range(2):
             sealing = self._known_salt(name, generation) if attempt == 0 else None
             held: list = []
@@ -364,6 +372,27 @@ class EncryptedBackend:
                 for one in held:
                     _POOL.give(one)
         raise AssertionError("unreachable")
+
+    def _tight_range(self, name: str, sealing: tuple, start: int, length: int, buffer: Buffer | None):
+        """A large read of a blob whose salt is known (scheme 4), fetching only the messages
+        that hold it (slots.open_range); None where that does not open it (read whole slots)."""
+        held: list = []
+
+        def fetch(at: int, nbytes: int):
+            def pooled(n: int) -> memoryview:
+                held.append(_POOL.take(n))
+                return memoryview(held[-1])
+            return self.inner.get(name, at, nbytes, buffer=pooled)
+        into = _output(buffer, slots.LEAD + length)
+        try:
+            if not slots.open_range(self.keys.blob_aead(sealing[0]), sealing[1], self.layout, start, length, fetch,
+                                    into, invalid_tag()):
+                return None
+        finally:
+            for one in held:
+                _POOL.give(one)
+        into = into[slots.LEAD:slots.LEAD + length]
+        return bytes(into) if buffer is None else into
 
     def stat(self, name: str) -> int | None:
         size = self.inner.stat(name)

@@ -25,7 +25,7 @@ p, like every other byte, is sealed: a stored pack shows no entry boundary.
 from __future__ import annotations
 
 from .backend import Staged
-from .buffers import POOL
+from .buffers import POOL, copy_bytes
 from .segments import HEADER, SPLIT_OVER, TAG, Pieces, StreamSealer
 
 SPLIT_PLAIN = 4
@@ -93,6 +93,95 @@ def open_messages(aead, aad: bytes, i: int, sealed, p: int, n: int, dest, want=N
         if hi > lo:
             opened += [lo, hi]
     return (min(opened), max(opened)) if opened else (0, 0)
+
+
+LEAD = 256  # plain bytes fetched before a read across slots: its pack entry's header (36), where its write began
+
+
+def open_range(aead, aad: bytes, layout, start: int, length: int, fetch, dest, invalid) -> bool:
+    """Open plain bytes [start, start + length) of a blob, a read across a slot's end, into
+    dest[LEAD:LEAD + length], fetching (`fetch(sealed start, nbytes)`) only the messages that
+    hold them: B of its first slot, split where the write holding the range (a pack entry, its
+    header and then the object read here) began, A of its last, split where it ended, and the
+    whole slots between. The edge slots are not fetched whole, so the entries beside the range
+    cost no bytes (a bucket's GET fetched up to two slots more per read: 27% more than the
+    chunks' own bytes over a 256 MiB load of 4 MiB chunks, 60% over a small model's). Where an
+    edge slot is split elsewhere (small entries before the range in its first slot, or a
+    write that reached its last slot first), one more fetch brings the rest of that message or
+    slot. A and B are bound to their split point: a guessed one opens only where it is the
+    sealed one. False where the range does not open so (the caller reads the whole slots then
+    and names any damage); raises what `fetch` raises."""
+    seg, over = layout.segment, layout.over
+    first, last = start // seg, (start + length - 1) // seg
+    if first == last:
+        return False
+    q, e = start - first * seg, start + length - last * seg  # (the range's start in its first slot, end in its last)
+    f = q - LEAD if q > LEAD else 0  # the first slot's plain bytes fetched from here
+    lo = layout.at(first) + (f + TAG if f else 0)
+    hi = layout.at(last) + (e + TAG if e < seg else seg + over)
+    body = memoryview(fetch(lo, hi - lo))
+    if len(body) != hi - lo:
+        return False
+    held: list = []
+
+    def joined(a, b) -> memoryview:  # a's bytes then b's, in a pool buffer
+        buf = POOL.take(len(a) + len(b))
+        held.append(buf)
+        out = memoryview(buf)[:len(a) + len(b)]
+        copy_bytes(out[:len(a)], a)
+        copy_bytes(out[len(a):], b)
+        return out
+
+    def open_into(nonce_: bytes, ct, bound_: bytes, at: int, n: int) -> None:  # n plain bytes for dest[at:at + n]
+        if at >= 0:
+            aead.decrypt_into(nonce_, ct, bound_, dest[at:at + n])
+            return
+        buf = POOL.take(n)  # (they begin before dest: bytes of entries before the range)
+        held.append(buf)
+        aead.decrypt_into(nonce_, ct, bound_, memoryview(buf)[:n])
+        copy_bytes(dest[:at + n], memoryview(buf)[-at:n])
+
+    def place(i: int) -> int:  # where slot i's plain bytes go in dest
+        return LEAD + i * seg - start
+    try:
+        if f:  # B of the first slot (A holds bytes of the entries before the range)
+            tail = body[:seg + over - f - TAG]  # (the slot's sealed bytes from plain byte f on)
+            p, marked_last = open_split(aead, aad, first, tail, False, invalid)
+            if marked_last or p > q:
+                return False
+            ct = tail[p - f:seg - f + TAG] if p >= f else joined(fetch(layout.at(first) + p + TAG, f - p),
+                                                                   tail[:seg - f + TAG])
+            if len(ct) != seg - p + TAG:
+                return False
+            open_into(nonce(first, B), ct, bound(aad, p), place(first) + p, seg - p)
+        for i in range(first + 1 if f else first, last + 1 if e == seg else last):  # whole slots
+            at = layout.at(i) - lo
+            sealed = body[at:at + seg + over]
+            p, marked_last = open_split(aead, aad, i, sealed, False, invalid)
+            if marked_last and i != last:
+                return False
+            open_messages(aead, aad, i, sealed, p, seg, dest[place(i):place(i) + seg])
+        if e < seg:  # A of the last slot, split where the range ends
+            at = layout.at(last) - lo
+            a = body[at:at + e + TAG]
+            try:
+                aead.decrypt_into(nonce(last, A), a, bound(aad, e), dest[place(last):place(last) + e])
+            except invalid:  # split elsewhere: the rest of the slot, and its messages as its split says
+                sealed = joined(a, fetch(layout.at(last) + e + TAG, seg + over - e - TAG))
+                n = len(sealed) - over  # (less than a slot at the blob's end)
+                p, _ = open_split(aead, aad, last, sealed, n < seg, invalid)
+                if n < e or p > n:
+                    return False
+                buf = POOL.take(n)
+                held.append(buf)
+                open_messages(aead, aad, last, sealed, p, n, memoryview(buf)[:n], (0, e))
+                copy_bytes(dest[place(last):place(last) + e], memoryview(buf)[:e])
+    except invalid:
+        return False
+    finally:
+        for buf in held:
+            POOL.give(buf)
+    return True
 
 
 class SplitStream(StreamSealer):
