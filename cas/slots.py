@@ -95,14 +95,17 @@ def open_messages(aead, aad: bytes, i: int, sealed, p: int, n: int, dest, want=N
     return (min(opened), max(opened)) if opened else (0, 0)
 
 
-LEAD = 256  # plain bytes fetched before a read across slots: its pack entry's header (36), where its write began
+# plain bytes fetched before a read across slots: its pack entry's header (36), where its write
+# began, and small entries before it in its slot (whose split is then theirs): up to 64 KiB more
+# costs a bucket less than the request that would fetch them after (bench/profile.md)
+LEAD = 64 << 10
 
 
 def open_range(aead, aad: bytes, layout, start: int, length: int, fetch, dest, invalid) -> bool:
     """Open plain bytes [start, start + length) of a blob, a read across a slot's end, into
     dest[LEAD:LEAD + length], fetching (`fetch(sealed start, nbytes)`) only the messages that
     hold them: B of its first slot, split where the write holding the range (a pack entry, its
-    header and then the object read here) began, A of its last, split where it ended, and the
+    header and then the object read here) began or before (LEAD), A of its last, split where it ended, and the
     whole slots between. The edge slots are not fetched whole, so the entries beside the range
     cost no bytes (a bucket's GET fetched up to two slots more per read: 27% more than the
     chunks' own bytes over a 256 MiB load of 4 MiB chunks, 60% over a small model's). Where an

@@ -1329,6 +1329,8 @@ def test_a_bucket_load_of_an_encrypted_store_fetches_the_bytes_of_its_chunks_not
     first and last with it: a fresh host's load of 1-4 MiB chunks made the bucket send 27-65%
     more bytes than the plain store's load of the same state (a 256 MiB load 284 MB against 224;
     of these 7.4 MB, 2x). Now only the edge slots' messages that hold the chunk come."""
+    from cas.slots import LEAD
+
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn((1 << 18) + 4099 * i, generator=g) for i in range(8)}  # 1-1.1 MiB each
     fetched = {}
@@ -1350,14 +1352,15 @@ def test_a_bucket_load_of_an_encrypted_store_fetches_the_bytes_of_its_chunks_not
                 sizes = _pack_bytes_read(fresh)
             assert_same(fresh.load(1), state)
             fetched[kind] = sum(sizes)
-    # (a slot more: the message holding the checkpoint's small objects, opened whole; it was 7.3 MB more)
-    assert fetched["sealed"] <= fetched["plain"] + crypt.SEGMENT + (64 << 10), fetched
+    # a slot more (the message holding the checkpoint's small objects, opened whole) and up to
+    # LEAD before each chunk (its entry's header and what precedes it): 1.5 MB; it was 7.3 MB more
+    assert fetched["sealed"] <= fetched["plain"] + crypt.SEGMENT + (len(state) + 1) * LEAD, fetched
 
 
 def test_a_large_read_fetches_its_own_messages_and_damage_at_its_edges_is_named(tmp_path):
     """A streamed pack of entries of 1-3 slots each, a 36-byte header before each object (as
-    packs are), written last to first: reading an object fetches its bytes and 256 before them (its
-    header), not its edge slots whole; a byte
+    packs are), written last to first: reading an object fetches its bytes and at most 64 KiB
+    before them (its header and what precedes it in its slot), not its edge slots whole; a byte
     flipped in the message of its first or last slot that holds it fails the read, naming the
     blob, never returning data."""
     from cas.slots import LEAD
