@@ -44,7 +44,6 @@ from .keys import (AEAD_NAME, KEY_MAGIC, KEYS_PREFIX, NAMING, REMOVING_PREFIX, S
                    user_key)
 
 _RANGE_FROM_ZERO = 256 << 10  # a ranged read this close to the start reads the header with it
-_TIGHT_FROM = 64 << 10  # a read across a slot's end from this size fetches only its messages (slots.open_range)
 
 
 # --- the encrypted backend -------------------------------------------------------------------
@@ -331,8 +330,9 @@ class EncryptedBackend:
             into = _output(buffer, length)
             if self._cached_range(sealing, start, length, into):
                 return bytes(into) if buffer is None else into
-        if layout.split and first < last and length >= _TIGHT_FROM and (sealing is not None or
-                                                                        cstart > _RANGE_FROM_ZERO):
+        # a read of a slot or more (a chunk; not a bucket's window of small objects, 256 KiB, whose
+        # ends are no entry's and whose guesses would fail) fetches only its messages
+        if layout.split and first < last and length >= seg and (sealing is not None or cstart > _RANGE_FROM_ZERO):
             if sealing is None:
                 sealing = self._salt(name, self.inner.get(name, 0, HEADER), generation)
             tight = self._tight_range(name, sealing, start, length, buffer)
