@@ -13,8 +13,9 @@ offset still maps to its sealed place by arithmetic, and seals each slot as thre
 
 p is where a write (a pack entry with its header) begins or ends inside the slot, else n (B is
 then empty); n is the slot's plain length (1 MiB but in the blob's last slot). A reader opens
-the split message (20 bytes at the slot's end), then only the messages its range covers. Every
-slot is its plain bytes + 52, and the split message goes out in one write with B (the write
+the split message (20 bytes at the slot's end), then only the messages its range covers (or,
+reading a chunk, guesses the splits of its edge slots and fetches only those messages:
+open_range). Every slot is its plain bytes + 52, and the split message goes out in one write with B (the write
 that holds B of a whole slot knows the slot is not the blob's last). Nonces (12 bytes): slot
 number (10, big-endian) | kind (0 split, 1 A, 2 B) | 1 in the split message of the blob's last
 slot, else 0: a blob cut at a slot's end fails, as in scheme 3. A and B are bound to p
@@ -105,15 +106,16 @@ def open_range(aead, aad: bytes, layout, start: int, length: int, fetch, dest, i
     """Open plain bytes [start, start + length) of a blob, a read across a slot's end, into
     dest[LEAD:LEAD + length], fetching (`fetch(sealed start, nbytes)`) only the messages that
     hold them: B of its first slot, split where the write holding the range (a pack entry, its
-    header and then the object read here) began or before (LEAD), A of its last, split where it ended, and the
-    whole slots between. The edge slots are not fetched whole, so the entries beside the range
-    cost no bytes (a bucket's GET fetched up to two slots more per read: 27% more than the
-    chunks' own bytes over a 256 MiB load of 4 MiB chunks, 60% over a small model's). Where an
-    edge slot is split elsewhere (small entries before the range in its first slot, or a
-    write that reached its last slot first), one more fetch brings the rest of that message or
-    slot. A and B are bound to their split point: a guessed one opens only where it is the
-    sealed one. False where the range does not open so (the caller reads the whole slots then
-    and names any damage); raises what `fetch` raises."""
+    header and then the object read here) began, at most LEAD bytes before it, A of its last,
+    split where it ended, and the whole slots between. The edge slots are not fetched whole, so
+    the entries beside the range cost no bytes (a bucket's GET fetched up to two slots more per
+    read: 27% more than the chunks' own bytes over a 256 MiB load of 4 MiB chunks, 60% over a
+    small model's). Where an edge slot is split elsewhere (more than LEAD bytes of small
+    entries before the range in its first slot, or a write that reached its last slot first),
+    one more fetch brings the rest of that message or slot. A and B are bound to their split
+    point: a guessed one opens only where it is the sealed one. False where the range does not
+    open so (the caller reads the whole slots then and names any damage); raises what `fetch`
+    raises."""
     seg, over = layout.segment, layout.over
     first, last = start // seg, (start + length - 1) // seg
     if first == last:
@@ -298,4 +300,5 @@ class SplitStream(StreamSealer):
         return self._inner.close(name, fsync=fsync)
 
 
-__all__ = ["HEADER", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_split", "seal_slot", "split_at"]
+__all__ = ["HEADER", "LEAD", "OVERHEAD", "SPLIT", "SplitStream", "open_messages", "open_range", "open_split",
+           "seal_slot", "split_at"]

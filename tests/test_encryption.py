@@ -1324,10 +1324,11 @@ def _pack_bytes_read(store) -> list[int]:
     return sizes
 
 
-def test_a_bucket_load_of_an_encrypted_store_fetches_the_bytes_of_its_chunks_not_whole_edge_slots(s3_url, tmp_path):
+def test_a_bucket_load_of_an_encrypted_store_fetches_its_chunks_not_their_edge_slots(s3_url, tmp_path):
     """Each large read fetched every 1 MiB slot it touched whole, its neighbours' bytes in the
     first and last with it: a fresh host's load of 1-4 MiB chunks made the bucket send 27-65%
-    more bytes than the plain store's load of the same state (a 256 MiB load 284 MB against 224). Now only the edge slots' messages that hold the chunk come."""
+    more bytes than the plain store's load of the same state (a 256 MiB load 284 MB against
+    224). Now only the edge slots' messages that hold the chunk come."""
     from cas.slots import LEAD
 
     g = torch.Generator().manual_seed(0)
