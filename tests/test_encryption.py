@@ -1309,18 +1309,17 @@ def test_a_closed_store_gives_the_segments_it_opened_back_to_the_buffer_pool(tmp
     assert sum(made[2:]) == 0, made  # (the first loads fill the pool; it was 2 new buffers every load)
 
 
-def _pack_bytes_read(store) -> list[int]:
-    """Counts, from now on, the bytes each read of a pack brings from the store's own backend
-    (under the cipher): a bucket's GETs."""
-    inner, sizes = store.backend.inner, []
-    real_get = inner.get
+def _pack_bytes_read(backend) -> list[int]:
+    """The bytes each read of a pack brings from `backend` from now on (an encrypted store's
+    inner one: under the cipher, a bucket's GETs)."""
+    sizes, real_get = [], backend.get
 
     def counting_get(name, *args, **kwargs):
         got = real_get(name, *args, **kwargs)
         if name.startswith("packs/"):
             sizes.append(len(memoryview(got).cast("B")))
         return got
-    inner.get = counting_get
+    backend.get = counting_get
     return sizes
 
 
@@ -1339,17 +1338,7 @@ def test_a_bucket_load_of_an_encrypted_store_fetches_its_chunks_not_their_edge_s
         with cas.open(url, key=key, cache_dir=str(tmp_path / f"{kind}-a")) as store:
             store.save(state, step=1)
         with cas.open(url, key=key, cache_dir=str(tmp_path / f"{kind}-b")) as fresh:  # another host
-            if key is None:
-                sizes, real_get = [], fresh.backend.get
-
-                def counting_get(name, *args, **kwargs):
-                    got = real_get(name, *args, **kwargs)
-                    if name.startswith("packs/"):
-                        sizes.append(len(memoryview(got).cast("B")))
-                    return got
-                fresh.backend.get = counting_get
-            else:
-                sizes = _pack_bytes_read(fresh)
+            sizes = _pack_bytes_read(fresh.backend if key is None else fresh.backend.inner)
             assert_same(fresh.load(1), state)
             fetched[kind] = sum(sizes)
     # a slot more (the message holding the checkpoint's small objects, opened whole) and up to
@@ -1377,13 +1366,7 @@ def test_a_large_read_fetches_its_own_messages_and_damage_at_its_edges_is_named(
     name = "packs/ab/" + "ab" * 32
     assert backend.publish(stream.close(name))
     backend.get(name, 0, 100)  # (its salt read: as a load's first small reads do)
-    read, real_get = [], backend.inner.get
-
-    def counting_get(blob, start=0, length=None, **kwargs):
-        got = real_get(blob, start, length, **kwargs)
-        read.append(len(memoryview(got).cast("B")))
-        return got
-    backend.inner.get = counting_get
+    read = _pack_bytes_read(backend.inner)
     objects = [(lo + 36, hi - lo - 36) for lo, hi in zip(bounds, bounds[1:]) if hi - lo - 36 >= seg]
     fetched = []
     for start, length in objects:
