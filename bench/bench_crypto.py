@@ -147,13 +147,12 @@ def measure(name: str, state: dict, place, repeats: int) -> dict:
         for kind in (("plain", "encrypted") if rep % 2 == 0 else ("encrypted", "plain")):
             runs[kind].append(one(state, place, None if kind == "plain" else "bench passphrase"))
     out = {"state": name, "tensor_bytes": nbytes}
-    ops = [op for i, op in enumerate(OPS) if runs["plain"][0][i] is not None]
+    ops = [(i, op) for i, op in enumerate(OPS) if runs["plain"][0][i] is not None]  # (no cold load in a bucket)
     for kind in runs:
-        for op in ops:
-            i = OPS.index(op)
+        for i, op in ops:
             out[f"{kind}_{op}_s"] = min(r[i] for r in runs[kind])
             out[f"{kind}_{op}_median_s"] = statistics.median(r[i] for r in runs[kind])
-    for op in ops:
+    for _, op in ops:
         out[f"{op}_ratio"] = out[f"encrypted_{op}_s"] / out[f"plain_{op}_s"]
         out[f"{op}_ratio_median"] = out[f"encrypted_{op}_median_s"] / out[f"plain_{op}_median_s"]
     return out

@@ -62,6 +62,14 @@ def _output(buffer: Buffer | None, nbytes: int) -> memoryview:
     return fresh(nbytes) if buffer is None else buffer(max(nbytes, 1))[:nbytes]
 
 
+def _pooled(held: list) -> Buffer:
+    """A read's buffer: one from the pool, kept in `held` for the caller to give back."""
+    def take(nbytes: int) -> memoryview:
+        held.append(_POOL.take(nbytes))
+        return memoryview(held[-1])
+    return take
+
+
 def _aad(name: str) -> bytes:
     return b"cas-blob-1\0" + name.encode("utf-8")
 
@@ -249,10 +257,7 @@ class EncryptedBackend:
             return self.inner.get(name, start, length, buffer=buffer)
         if start == 0 and length is None:
             held: list = []
-
-            def pooled(nbytes: int) -> memoryview:
-                held.append(_POOL.take(nbytes))
-                return memoryview(held[-1])
+            pooled = _pooled(held)
             try:
                 generation = read_generation()
                 sealed = self.inner.get(name, 0, None, buffer=pooled)
@@ -341,10 +346,7 @@ class EncryptedBackend:
         for attempt in range(2):
             sealing = self._known_salt(name, generation) if attempt == 0 else None
             held: list = []
-
-            def pooled(nbytes: int) -> memoryview:  # pooled buffers: no fresh pages per read
-                held.append(_POOL.take(nbytes))
-                return memoryview(held[-1])
+            pooled = _pooled(held)  # pooled buffers: no fresh pages per read
             try:
                 if sealing is None and cstart <= _RANGE_FROM_ZERO:
                     sealed = self.inner.get(name, 0, cstart + clen, buffer=pooled)
@@ -379,10 +381,7 @@ class EncryptedBackend:
         held: list = []
 
         def fetch(at: int, nbytes: int):
-            def pooled(n: int) -> memoryview:
-                held.append(_POOL.take(n))
-                return memoryview(held[-1])
-            return self.inner.get(name, at, nbytes, buffer=pooled)
+            return self.inner.get(name, at, nbytes, buffer=_pooled(held))
         into = _output(buffer, slots.LEAD + length)
         try:
             if not slots.open_range(self.keys.blob_aead(sealing[0]), sealing[1], self.layout, start, length, fetch,
