@@ -34,7 +34,7 @@ from .errors import BlobAbsentError, CasError, CorruptionError, MissingObjectErr
 from .fanout import Fanout
 from .crypt import namer_of
 from .hashing import to_hex
-from .readahead import Windows
+from .readahead import SMALL, Windows
 
 PACK_MAGIC = b"caspack2"
 PACK_MAGIC_V1 = b"caspack1"
@@ -113,19 +113,26 @@ class PackFiles(Fanout):
         return pack, placed
 
     def _laid_out(self, entries) -> tuple[list, list[tuple[bytes, int, int]], bytes]:
-        """The parts of a pack of `entries`, where each entry lands, and the pack's name."""
-        parts, placed, listed, offset = [PACK_MAGIC], [], [], len(PACK_MAGIC)
-        for key, blob, raw_size, base in entries:
+        """The parts of a pack of `entries`, where each entry lands (in the order given), and the
+        pack's name. The small entries (those a bucket's reader fetches with their window: nodes,
+        biases, counters) go after the large ones, together: a fresh host's load of a small
+        model fetched 5 windows of them strewn between its chunks (an encrypted store's reader,
+        5 whole 1 MiB segments), and now fetches one or two."""
+        parts, listed, offset = [PACK_MAGIC], [], len(PACK_MAGIC)
+        where: dict[int, tuple[bytes, int, int]] = {}
+        for i in _small_last(entries):
+            key, blob, raw_size, base = entries[i]
             parts.append(_ENTRY.pack(key, len(blob)))
             parts.append(blob)
             offset += _ENTRY.size
-            placed.append((key, offset, len(blob)))
+            where[i] = (key, offset, len(blob))
             listed.append([key, offset, len(blob), raw_size, base])
             offset += len(blob)
         footer = msgpack.packb(listed, use_bin_type=True)
         parts += [footer, _TRAILER.pack(len(footer), FOOTER_MAGIC)]
         # named and written from the parts: no copy of the whole pack (the backend, or the
         # cipher of an encrypted one, gathers them as it writes)
+        placed = [where[i] for i in range(len(entries))]
         return parts, placed, namer_of(self.backend).key_of_parts(parts)  # keyed when encrypted: reveals nothing
 
     def stream(self) -> "PackStream | None":
@@ -358,6 +365,13 @@ class PackStream:
     def discard(self) -> None:
         """Drop the pack's temporary file (a save that aborts)."""
         self._file.discard()
+
+
+def _small_last(entries) -> list[int]:
+    """The order a pack written whole lays `entries` out in: the large ones, then those a reader
+    fetches with their window (readahead.SMALL), each kind in the order given."""
+    small = [len(blob) <= SMALL for _, blob, _, _ in entries]
+    return [i for i, s in enumerate(small) if not s] + [i for i, s in enumerate(small) if s]
 
 
 def _end_to_end(listed: list[PackEntry], footer_start: int) -> bool:

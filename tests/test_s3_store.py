@@ -141,6 +141,32 @@ def test_a_fresh_host_reads_a_checkpoints_small_objects_a_window_at_a_time(s3_ur
     assert sent.get("GET", 0) <= 2, sent
 
 
+def model_like(seed: int, layers: int = 6) -> dict:
+    """A model's state as a save meets it: each layer's weight (1.2 MiB, a chunk of its own) with
+    its bias and norm beside it (small), and counters."""
+    g = torch.Generator().manual_seed(seed)
+    return {"layers": {f"l{i}": {"weight": torch.randn(300_000 + 1000 * i, generator=g),
+                                 "bias": torch.randn(512, generator=g), "norm": torch.randn(512, generator=g)}
+                       for i in range(layers)}, "step": torch.tensor(seed), "epoch": seed}
+
+
+@pytest.mark.parametrize("key", [None, "a passphrase"], ids=["plain", "encrypted"])
+def test_a_fresh_hosts_load_fetches_a_models_small_tensors_together(s3_url, tmp_path, key):
+    """A pack written whole (a bucket's) laid its entries out as the save's threads finished
+    them, so each layer's small tensors lay between two weights: a fresh host's load fetched a
+    window per layer (an encrypted store, a 1 MiB segment per layer, which the weights' own
+    reads fetched again). The small entries now go after the large ones, together, and the
+    windows a load's threads ask for at once are fetched once: a GET per weight, and one or two
+    for everything else."""
+    with cas.open(s3_url, key=key, cache_dir=str(tmp_path / "a")) as store:
+        store.save(model_like(1), step=1)
+    with cas.open(s3_url, key=key, cache_dir=str(tmp_path / "b")) as fresh:  # another host
+        fresh.backend.requests.clear()
+        assert_same(fresh.load(1), model_like(1))
+        sent = dict(fresh.backend.requests)
+    assert sent.get("GET", 0) <= 6 + 2, sent  # it was 16-17 of them; 7 now
+
+
 def test_a_verify_reads_the_bucket_as_it_is_now_not_the_windows_a_load_read(s3_url, tmp_path):
     """A load fetched the windows holding the small objects; the pack is damaged in the bucket
     afterwards: a verify of the same open store finds it (no window fetched before it answers),
