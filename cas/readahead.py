@@ -31,7 +31,7 @@ from typing import Iterator
 
 WINDOW = 256 << 10  # bytes per window, aligned in the blob
 SMALL = 64 << 10  # reads up to this many bytes take their windows
-KEEP = 64  # windows a store keeps (16 MiB)
+KEEP = 64  # windows of WINDOW bytes a store keeps (16 MiB; as many bytes of larger windows)
 
 
 class _DiskReads:
@@ -74,12 +74,21 @@ def read_generation() -> int:
 class Windows:
     """The most recently fetched windows of a backend's immutable blobs (packs in a bucket),
     shared by a store's read threads. Entries are `bytes` (never written again), so a view
-    handed out stays valid after the window is evicted."""
+    handed out stays valid after the window is evicted.
 
-    def __init__(self, backend, keep: int = KEEP) -> None:
+    A window is WINDOW bytes, or the backend's `read_unit` rounded up to a multiple of it where
+    that is larger (an encrypted store opens whole 1 MiB segments: a 256 KiB window fetched one
+    anyway, and the next window in it fetched it again). A window being fetched is fetched once:
+    the threads of a load that ask for it meanwhile wait for that fetch (a fresh host's load of a
+    small model fetched three of its windows twice, its encrypted store one segment three times)."""
+
+    def __init__(self, backend, keep: int | None = None) -> None:
+        unit = getattr(backend, "read_unit", None) or WINDOW
         self._backend = backend
-        self._keep = keep
+        self.size = -(-WINDOW // unit) * unit
+        self._keep = keep if keep is not None else max(4, KEEP * WINDOW // self.size)
         self._table: OrderedDict[tuple[str, int], tuple[int, bytes]] = OrderedDict()  # -> (generation, bytes)
+        self._fetching: dict[tuple[str, int], threading.Event] = {}  # windows a thread is fetching now
         self._lock = threading.Lock()
 
     def read(self, name: str, start: int, length: int):
@@ -88,27 +97,45 @@ class Windows:
         (the blob is shorter): the caller then reads it directly, and reports what is wrong."""
         if length <= 0 or length > SMALL:
             return None
-        first, last = start // WINDOW, (start + length - 1) // WINDOW
+        size = self.size
+        first, last = start // size, (start + length - 1) // size
+        span = [(name, i) for i in range(first, last + 1)]
         generation = read_generation()  # (taken before the fetch: a verify begun meanwhile moves it on)
-        with self._lock:
-            kept = [self._table.get((name, i)) for i in range(first, last + 1)]
-            held = [window for gen, window in filter(None, kept) if gen == generation]
-            for i in range(first, last + 1) if len(held) == len(kept) else ():
-                self._table.move_to_end((name, i))
-        if len(held) < len(kept):
-            data = bytes(self._backend.get(name, first * WINDOW, (last + 1 - first) * WINDOW))
-            held = [data[i * WINDOW:(i + 1) * WINDOW] for i in range(last + 1 - first)]
+        while True:
             with self._lock:
-                for i, window in enumerate(held):
-                    self._table[(name, first + i)] = (generation, window)
-                    self._table.move_to_end((name, first + i))
-                while len(self._table) > self._keep:
-                    self._table.popitem(last=False)
-        at = start - first * WINDOW
+                kept = [self._table.get(w) for w in span]
+                held = [window for gen, window in filter(None, kept) if gen == generation]
+                if len(held) == len(span):
+                    for w in span:
+                        self._table.move_to_end(w)
+                    break
+                busy = next((self._fetching[w] for w in span if w in self._fetching), None)
+                if busy is None:
+                    mine = threading.Event()
+                    self._fetching.update((w, mine) for w in span)
+            if busy is not None:  # another thread is fetching one of them: take it from there
+                busy.wait()
+                continue
+            try:
+                data = bytes(self._backend.get(name, first * size, (last + 1 - first) * size))
+                held = [data[i * size:(i + 1) * size] for i in range(last + 1 - first)]
+                with self._lock:
+                    for w, window in zip(span, held):
+                        self._table[w] = (generation, window)
+                        self._table.move_to_end(w)
+                    while len(self._table) > self._keep:
+                        self._table.popitem(last=False)
+            finally:
+                with self._lock:
+                    for w in span:
+                        self._fetching.pop(w, None)
+                mine.set()
+            break
+        at = start - first * size
         if len(held) == 1:
             return memoryview(held[0])[at:at + length] if at + length <= len(held[0]) else None
         joined = b"".join(held)
-        if any(len(window) < WINDOW for window in held[:-1]) or at + length > len(joined):
+        if any(len(window) < size for window in held[:-1]) or at + length > len(joined):
             return None
         return memoryview(joined)[at:at + length]
 

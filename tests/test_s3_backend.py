@@ -115,6 +115,45 @@ def test_small_reads_share_windows_fetched_once_and_a_verify_reads_past_them(bac
         windows.read("packs/ab/none", 0, 10)
 
 
+def test_threads_asking_for_a_window_being_fetched_wait_for_that_fetch(backend):
+    """A load's threads read neighbouring small objects at once: each missed the window the
+    other was fetching and fetched it again (a fresh host's load of a small model fetched three
+    windows twice). Now one GET serves them all; a fetch that fails leaves each waiting thread to
+    try, and fail, on its own rather than wait for ever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cas.readahead import WINDOW, Windows
+
+    data = os.urandom(WINDOW + 1000)
+    assert backend.put_if_absent("packs/ab/ab02", [data])
+    windows, real_get = Windows(backend), backend.get
+    started = threading.Barrier(8)
+
+    def slow_get(*args, **kwargs):  # every thread is inside read() before the first fetch answers
+        time.sleep(0.2)
+        return real_get(*args, **kwargs)
+    backend.get = slow_get
+
+    def read(i: int):
+        started.wait()
+        return bytes(windows.read("packs/ab/ab02", 1000 * i, 500))
+
+    backend.requests.clear()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(read, range(8)))
+    assert got == [data[1000 * i:1000 * i + 500] for i in range(8)]
+    assert dict(backend.requests) == {"GET": 1}
+
+    def read_absent(i: int):
+        started.wait()
+        try:
+            windows.read("packs/ab/none2", 1000 * i, 500)
+        except BlobAbsentError:
+            return "absent"
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(read_absent, range(8), timeout=60)) == ["absent"] * 8
+
+
 def test_list_pages_beyond_1000_and_delete_many(backend):
     from concurrent.futures import ThreadPoolExecutor
 
