@@ -39,7 +39,6 @@ class Moves:
     _rebased: dict[bytes, bytes]
     _sources: dict[bytes, ObjectRecord]
     _written: dict[bytes, ObjectRecord]
-    _no_stream: bool
     store: "ObjectStore"
 
     def write_recoded(self, key: bytes, blob: bytes, raw_size: int, base: bytes, depth: int) -> None:
@@ -227,5 +226,4 @@ class Moves:
         """Store a moved object in a pack whatever its size: the copy it replaces (a file, or
         another pack's entry) stays readable until the commit has moved its record."""
         size = memoryview(blob).nbytes
-        if self._no_stream or not self._stream_entry(key, [blob], size, raw_size, base, depth):
-            self._add_small(key, blob, raw_size, base, depth)
+        self._pack_entry(key, [blob], size, raw_size, base, depth)

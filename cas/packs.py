@@ -296,28 +296,37 @@ class PackStream:
     def size(self) -> int:
         return self._end
 
-    def reserve(self, key: bytes, length: int, raw_size: int, base: bytes | None) -> int | None:
-        """The offset of the entry's encoded object (its 36-byte entry header goes before it);
-        None once the pack is closed."""
+    def reserve(self, entries: list[tuple[bytes, int, int, bytes | None]]) -> int | None:
+        """Places for (key, length, raw size, base) entries side by side, one write's worth:
+        where the first one's 36-byte entry header goes (each encoded object follows its
+        header); None once the pack is closed."""
         with self._lock:
             if self.closed:
                 return None
-            offset = self._end + _ENTRY.size
-            self._end = offset + length
-            self._listed.append([key, offset, length, raw_size, base])
+            start = at = self._end
+            for key, length, raw_size, base in entries:
+                at += _ENTRY.size
+                self._listed.append([key, at, length, raw_size, base])
+                at += length
+            self._end = at
             self._writing += 1
-            return offset
+            return start
 
-    def write(self, offset: int, key: bytes, parts: list) -> None:
-        """Write a reserved entry (in the reserving thread). A failed write still ends the
-        reservation, so finish() never waits for it; the pack then fails at finish."""
+    def write(self, start: int, entries: list[tuple[bytes, list]]) -> None:
+        """Write reserved (key, parts) entries from `start` in one call (in the reserving
+        thread). A failed write still ends the reservation, so finish() never waits for it; the
+        pack then fails at finish."""
         try:
+            parts: list = []
+            for key, pieces in entries:
+                parts.append(_ENTRY.pack(key, sum(memoryview(p).nbytes for p in pieces)))
+                parts += pieces
             length = sum(memoryview(p).nbytes for p in parts)
-            written = self._file.write_at(offset - _ENTRY.size, [_ENTRY.pack(key, length)] + list(parts))
-            if written != _ENTRY.size + length:
-                raise OSError(f"a pack entry was written short ({written} of {_ENTRY.size + length} bytes)")
+            written = self._file.write_at(start, parts)
+            if written != length:
+                raise OSError(f"pack entries were written short ({written} of {length} bytes)")
             if length >= WRITEBACK_MIN:
-                self._file.writeback(offset - _ENTRY.size, written)
+                self._file.writeback(start, written)
         except BaseException:
             with self._lock:
                 self._writing -= 1

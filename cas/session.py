@@ -32,11 +32,14 @@ from .backend import Staged
 from .leases import begin_lease, lease_name
 from .objectfiles import FileObjects
 from .packs import PACK_HEADER, PackEntry, PackStream, salt_entry
+from .readahead import SMALL
 
 if TYPE_CHECKING:
     from .objectstore import ObjectStore
 
 T = TypeVar("T")
+
+RUN_BYTES = 1 << 20  # small objects a streamed pack takes at once, side by side (_pack_entry)
 
 class WriteSession(Moves):
     """One writer's lease: claims, writes and a single commit. Use as a context manager; leaving
@@ -75,6 +78,8 @@ class WriteSession(Moves):
         self._streams: list[PackStream] = []
         self._streamed: dict[bytes, tuple] = {}  # key -> (raw size, base, depth)
         self._no_stream = False  # the backend cannot stream: small objects gather in memory
+        self._run: list[tuple] = []  # small objects waiting to enter the streamed pack together (_pack_entry)
+        self._run_bytes = 0
         self._lock = threading.Lock()
         self._open = True
         # The lease file first (its lock is what proves this writer alive to gc, in any PID
@@ -180,6 +185,7 @@ class WriteSession(Moves):
             out = {key: rec.base for key, rec in self._written.items() if rec.base is not None}
             out.update((key, item[2]) for key, item in self._pending_small.items() if item[2] is not None)
             out.update((key, item[1]) for key, item in self._streamed.items() if item[1] is not None)
+            out.update((item[0], item[4]) for item in self._run if item[4] is not None)
             return out
 
     def _rotten(self, txn, key: bytes, rec: ObjectRecord | None) -> bool:
@@ -245,43 +251,73 @@ class WriteSession(Moves):
             with self._lock:
                 self._staged.append(staged)
                 self._written[key] = ObjectRecord(WHERE_FILE, size, raw_size, base=base, depth=depth)
-        elif not self._no_stream and self._stream_entry(key, parts, size, raw_size, base, depth):
-            pass
         else:
-            self._add_small(key, b"".join(parts), raw_size, base, depth)  # one copy, of buffers reused next
+            self._pack_entry(key, parts, size, raw_size, base, depth)
 
-    def _stream_entry(self, key: bytes, parts: list, size: int, raw_size: int, base: bytes | None,
-                      depth: int) -> bool:
-        """Write one entry into the streamed pack (opened on first use; closed and finished by
-        the writer whose entry takes it past stream_target); False where the backend cannot
-        stream."""
+    def _pack_entry(self, key: bytes, parts: list, size: int, raw_size: int, base: bytes | None,
+                    depth: int) -> None:
+        """Put one encoded object into a pack. Where the backend streams packs (local stores),
+        a large one goes straight into the streamed pack, and a small one (a node, a bias, a
+        counter: readahead.SMALL bytes at most) waits for the others, to enter it as one run
+        (RUN_BYTES at a time, and the rest at commit): an encrypted store opens the message
+        holding a small object whole, and one holding a neighbouring chunk's bytes cost a
+        small model's load 48 reads of 5 ms together against 10 ms for its 23 MB of chunks.
+        Elsewhere (a bucket) objects gather in memory for a pack written at once, which lays
+        its small ones out together too (cas/packs.py)."""
+        if self._no_stream:
+            self._add_small(key, b"".join(parts), raw_size, base, depth)  # one copy, of buffers reused next
+            return
+        if size > SMALL:
+            self._stream_entries([(key, parts, size, raw_size, base, depth)])
+            return
+        blob = b"".join(parts)  # (a copy: `parts` may be a worker's reused buffers)
+        with self._lock:
+            self._run.append((key, [blob], len(blob), raw_size, base, depth))
+            self._run_bytes += len(blob)
+            run = self._take_run() if self._run_bytes >= RUN_BYTES else None
+        if run:
+            self._stream_entries(run)
+
+    def _take_run(self) -> list:
+        """The small objects waiting for the streamed pack (under the lock)."""
+        run, self._run, self._run_bytes = self._run, [], 0
+        return run
+
+    def _stream_entries(self, items: list[tuple]) -> None:
+        """Write (key, parts, size, raw size, base, depth) entries side by side into the
+        streamed pack (opened on first use; closed and finished by the writer whose entries
+        take it past stream_target), or gather them for a pack written at once where the
+        backend cannot stream."""
         while True:
             with self._lock:
                 stream = self._stream
-                if stream is None:
+                if stream is None and not self._no_stream:
                     stream = self.store.packs.stream()
-                    if stream is None:
-                        self._no_stream = True
-                        return False
-                    self._stream = stream
-                    self._streams.append(stream)
-            offset = stream.reserve(key, size, raw_size, base)
-            if offset is not None:
+                    self._no_stream = stream is None
+                    if stream is not None:
+                        self._stream = stream
+                        self._streams.append(stream)
+            if stream is None:
+                for key, parts, _, raw_size, base, depth in items:
+                    self._add_small(key, b"".join(parts), raw_size, base, depth)
+                return
+            start = stream.reserve([(key, size, raw_size, base) for key, _, size, raw_size, base, _ in items])
+            if start is not None:
                 break
-            with self._lock:  # closed by another writer: the next entry opens the next pack
+            with self._lock:  # closed by another writer: the next entries open the next pack
                 if self._stream is stream:
                     self._stream = None
         with self._lock:
-            self._streamed[key] = (raw_size, base, depth)
+            for key, _, _, raw_size, base, depth in items:
+                self._streamed[key] = (raw_size, base, depth)
             closing = stream.size >= self.store.stream_target and self._stream is stream
             if closing:
                 self._stream = None
         if closing:
             stream.close()
-        stream.write(offset, key, parts)
+        stream.write(start, [(key, parts) for key, parts, *_ in items])
         if closing:
             self._finish_stream(stream)
-        return True
 
     def _finish_stream(self, stream: PackStream) -> None:
         """Finish a streamed pack (waiting for its entries still being written) and record
@@ -500,6 +536,10 @@ class WriteSession(Moves):
         any (place_new), and each name is settled inside the transaction, which LMDB runs one
         at a time across processes (_settle)."""
         self._check_open()
+        with self._lock:
+            run = self._take_run()
+        if run:
+            self._stream_entries(run)
         with self._lock:
             stream, self._stream = self._stream, None
         if stream is not None:

@@ -1346,6 +1346,29 @@ def test_a_bucket_load_of_an_encrypted_store_fetches_its_chunks_not_their_edge_s
     assert fetched["sealed"] <= fetched["plain"] + crypt.SEGMENT + (len(state) + 1) * LEAD, fetched
 
 
+@pytest.mark.parametrize("key", [None, RAW_KEY], ids=["plain", "encrypted"])
+def test_a_saves_small_objects_enter_its_streamed_pack_together(tmp_path, key):
+    """A streamed pack (a local store's) took each object as the save's threads finished it, so
+    a layer's bias and norm lay between two weights, and in an encrypted store each small read
+    opened the message holding it: up to a slot of a weight's bytes, which the weight's own
+    read decrypted again (a small model's load: 48 small reads cost 3-7 ms of its threads
+    against 10 ms for its 23 MB of chunks; 1 ms now). A save's small objects now enter the pack
+    together, as one run, after its chunks; and they load."""
+    from cas.readahead import SMALL
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"l{i}": {"weight": torch.randn(300_000 + 1000 * i, generator=g), "bias": torch.randn(512, generator=g),
+                       "norm": torch.randn(512, generator=g)} for i in range(6)}
+    with cas.open(str(tmp_path / "s"), key=key) as store:
+        store.save(state, step=1)
+        packs = store.objects.packs
+        (pack,) = list(packs.iterate())
+        small = [length <= SMALL for _, _, length in sorted(packs.entries(pack), key=lambda e: e[1])]
+    assert small.count(False) == 6 and small == sorted(small), small  # the 6 weights, then every small object
+    with cas.open(str(tmp_path / "s"), key=key) as store:
+        assert_same(store.load(1), state)
+
+
 def test_a_large_read_fetches_its_own_messages_and_damage_at_its_edges_is_named(tmp_path):
     """A streamed pack of entries of 1-3 slots each, a 36-byte header before each object (as
     packs are), written last to first: reading an object fetches its bytes and at most 64 KiB
