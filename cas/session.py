@@ -4,8 +4,10 @@ A writer works inside a WriteSession, which holds a lease in the index:
   1. claim(keys): one write transaction records a hold on each key and says which keys are
      already durably stored (index record present, and its file or pack there). Held keys are
      never swept by gc, so a claimed object stays put.
-  2. write(key, raw): encode and store the absent ones, in worker threads. Small encoded
-     objects are gathered into a pack file; large ones become files of their own.
+  2. write(key, raw): encode and store the absent ones, in worker threads. Each goes into a
+     pack: on a local disk the pack streamed as the save runs (its small objects side by side,
+     in runs), in a bucket one gathered in memory and written whole; with pack_max set, larger
+     ones become files of their own.
   3. commit(finish): write the last pack, fsync the directories, then one write transaction
      indexes every object written, runs `finish` (the caller's registry change, e.g. a
      checkpoint) and ends the lease. Before it nothing the session wrote is referenced; after
