@@ -27,6 +27,14 @@ removed it (pinned ones never; milestones never while keep_milestones was in for
 divisible by keep_every neither); verify is clean; after a gc the store holds exactly the
 reachable objects. It prints the figures, "committed checkpoints lost: N" among them, and exits 1
 when N > 0 or anything else failed.
+
+With --key-file FILE the store is encrypted with the key in FILE (every process opens it with
+that key, the CLI through $CAS_KEY_FILE), and the gc loop also adds keys (`cas key add`, each
+from a file of 32 random bytes) and removes the ones it added (`cas key remove`), under the same
+SIGKILLs and with the keys.* fault points armed at some restarts. Each check then also opens the
+store with every key journaled added and not being removed (it must open, as that key), with
+every key journaled removed (it must be refused), and with any other it began to add (a change
+cut short: either).
 """
 
 from __future__ import annotations
@@ -49,9 +57,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cas  # noqa: E402
+from cas.crypt import read_key_file  # noqa: E402
 from cas.hashing import hash_bytes  # noqa: E402
 
-STORE_OPTS = dict(chunk_size=64 << 10, pack_max=16 << 10, workers=2)
+
+def store_opts() -> dict:
+    """Every process's store options: an encrypted soak's processes open the store with the key
+    in the file $SOAK_KEY_FILE names (set by --key-file; the processes inherit it)."""
+    opts = dict(chunk_size=64 << 10, pack_max=16 << 10, workers=2)
+    if os.environ.get("SOAK_KEY_FILE"):
+        opts["key"] = read_key_file(os.environ["SOAK_KEY_FILE"])
+    return opts
+
+
+STORE_OPTS = store_opts()
 BASE = {"plain": 1_000_000, "delta": 2_000_000, "async": 3_000_000, "async_delta": 4_000_000}
 WRITERS = list(BASE)
 PROCS = WRITERS + ["collider", "gcloop"]
@@ -63,6 +82,7 @@ WRITER_FAULTS = ["save.planned", "save.hashed", "session.before_file_write", "se
 ASYNC_FAULTS = WRITER_FAULTS + ["save.staged"]
 GC_FAULTS = ["gc.forgotten", "gc.marking", "gc.marked", "gc.sweep_batch", "gc.repack", "gc.repack_reading",
              "registry.logged", "cache.rebuilding"]
+KEY_FAULTS = ["keys.adding", "keys.added", "keys.removing", "keys.removed"]  # an encrypted soak's gc loop's too
 
 
 # --- deterministic states --------------------------------------------------------------------
@@ -291,8 +311,14 @@ def run_gcloop(store_path: str, workdir: str, seed: int) -> None:
     n = len(journal.read())
     rng = random.Random(seed * 104729 + n)
     journal.append(event="started")
+    keyed = "key" in STORE_OPTS
     while True:
         time.sleep(rng.uniform(0.2, 1.5))
+        # an encrypted store's first operation adds a key (so even a short soak has one), then 15% are
+        # key changes (a plain soak draws as it always did)
+        if keyed and (not any(e["event"] == "key_adding" for e in journal.read()) or rng.random() < 0.15):
+            churn_key(store_path, workdir, journal, rng)
+            continue
         r = rng.random()
         if r < 0.45:
             rules = {"keep_last": rng.randint(2, 8)}
@@ -353,6 +379,49 @@ def run_gcloop(store_path: str, workdir: str, seed: int) -> None:
             journal.append(event="index_deleted", files=deleted)
 
 
+def extra_key_file(workdir: str, n: int) -> str:
+    return os.path.join(workdir, "keys", f"extra-{n}")
+
+
+def keys_in_force(events: list[dict]) -> dict[str, int]:
+    """The extra keys the gc loop journaled added and never began to remove: id -> n."""
+    added = {e["id"]: e["n"] for e in events if e["event"] == "key_added"}
+    for e in events:
+        if e["event"] == "key_removing":
+            added.pop(e["id"], None)
+    return added
+
+
+def churn_key(store_path: str, workdir: str, journal: Journal, rng: random.Random) -> None:
+    """`cas key remove` an extra key added before, or `cas key add` a new one (32 random bytes in
+    a file of the workdir). A CLI killed by its fault point leaves that change unknown, and the
+    key is never used again; any other failure is a finding."""
+    events = journal.read()
+    in_force = keys_in_force(events)
+    if in_force and rng.random() < 0.5:
+        key_id = rng.choice(sorted(in_force))
+        journal.append(event="key_removing", id=key_id)
+        p = cli(store_path, "key", "remove", key_id)
+        done = {"event": "key_removed", "id": key_id}
+    else:
+        n = sum(e["event"] == "key_adding" for e in events)
+        path = extra_key_file(workdir, n)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(rng.randbytes(32))
+            f.flush()
+            os.fsync(f.fileno())
+        journal.append(event="key_adding", n=n)
+        p = cli(store_path, "key", "add", "--new-key-file", path, "--json")
+        done = {"event": "key_added", "n": n, "id": json.loads(p.stdout)["added"] if p.returncode == 0 else None}
+    if p.returncode == -signal.SIGKILL:  # its fault point fired (CAS_FAULTS is inherited)
+        journal.append(event="key_op_killed", op=done["event"])
+    elif p.returncode:
+        raise RuntimeError(f"cas key {done['event'][4:-1]} exited {p.returncode}: {p.stdout}{p.stderr}")
+    else:
+        journal.append(**done)
+
+
 # --- the killer and the checks ------------------------------------------------------------------
 class Soak:
     def __init__(self, args) -> None:
@@ -366,7 +435,7 @@ class Soak:
         self.figures = {"seed": args.seed, "kills": 0, "fault_restarts": 0, "fault_kills": 0, "restarts": 0,
                         "failures": [], "checks": 0, "checkpoints_checked": 0, "bytes_checked": 0,
                         "lost": 0, "lost_detail": [], "removed_by_retention": 0, "verify_ok": True,
-                        "exactly_reachable": True, "problems": [], "fault_outcomes": {}}
+                        "exactly_reachable": True, "problems": [], "fault_outcomes": {}, "keys_ok": True}
         self.starts = 0
 
     # processes
@@ -386,7 +455,8 @@ class Soak:
     def restart(self, name: str) -> None:
         faults = ""
         if self.rng.random() < 0.3:
-            points = GC_FAULTS if name == "gcloop" else ASYNC_FAULTS if name.startswith("async") else WRITER_FAULTS
+            points = (GC_FAULTS + KEY_FAULTS * ("key" in STORE_OPTS) if name == "gcloop" else
+                      ASYNC_FAULTS if name.startswith("async") else WRITER_FAULTS)
             faults = f"{self.rng.choice(points)}=kill@{self.rng.randint(1, 6)}"
             self.figures["fault_restarts"] += 1
         self.figures["restarts"] += 1
@@ -561,6 +631,8 @@ class Soak:
             if not report.ok:
                 f["verify_ok"] = False
                 f["problems"].append(f"check {f['checks']}: verify: {[str(p) for p in report.problems][:10]}")
+            if "key" in STORE_OPTS:
+                self.check_keys(journals["gcloop"])
             if final:
                 swept = store.gc()
                 try:
@@ -592,6 +664,37 @@ class Soak:
             print(f"!! LOST: {x}", flush=True)
         if final:
             self.tally(journals)
+
+    def check_keys(self, events: list[dict]) -> None:
+        """Open the store with each key the gc loop began to add: one journaled added and not being
+        removed opens it as itself, one journaled removed is refused (WrongKeyError), and one whose
+        change was cut short does either (as itself, when its id is known). The soak's own key
+        opened it already."""
+        f = self.figures
+        id_of = {e["n"]: e["id"] for e in events if e["event"] == "key_added"}
+        removing = {e["id"] for e in events if e["event"] == "key_removing"}
+        removed = {e["id"] for e in events if e["event"] == "key_removed"}
+        for n in sorted({e["n"] for e in events if e["event"] == "key_adding"}):
+            key_id = id_of.get(n)
+            if key_id in removed:
+                allowed = {None}
+            elif key_id is not None and key_id not in removing:
+                allowed = {key_id}
+            else:  # an add or a removal killed before it journaled its end
+                allowed = {None, key_id} if key_id is not None else None
+            try:
+                key = read_key_file(extra_key_file(self.workdir, n))
+                with cas.open(self.store, **dict(STORE_OPTS, key=key)) as store:
+                    opened = store.key_id
+            except cas.WrongKeyError:
+                opened = None
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                opened, allowed = f"{type(exc).__name__}: {exc}", set()
+            f["keys_checked"] = f.get("keys_checked", 0) + 1
+            if allowed is not None and opened not in allowed:
+                f["keys_ok"] = False
+                f["problems"].append(f"check {f['checks']}: key {n} ({key_id}): opened the store as {opened!r}, "
+                                     f"expected one of {sorted(allowed, key=str)}")
 
     def classify(self, lost: list[dict]) -> None:
         """Keep a copy of the store as evidence; on the copy run `cas repair` (a rebuild from the
@@ -639,6 +742,8 @@ class Soak:
         f["repairs"] = {"finished": count("repair_end"), "failed": sum(e["event"] == "repair_end" and e["rc"] != 0
                                                                        for e in g)}
         f["index_deletions"] = count("index_deleted")
+        f["keys"] = {"added": count("key_added"), "removed": count("key_removed"),
+                     "killed by a fault point": count("key_op_killed"), "checked": f.get("keys_checked", 0)}
 
 
 def print_figures(f: dict) -> None:
@@ -651,6 +756,8 @@ def print_figures(f: dict) -> None:
           f"fired {f['fault_kills']}")
     print(f"  fault points armed at restarts: {f['fault_outcomes']}")
     print(f"  gcs {f['gcs']}; verifies {f['verifies']}; repairs {f['repairs']}; index deletions {f['index_deletions']}")
+    if f["keys"]["added"] or f["keys"]["checked"]:
+        print(f"  keys (an encrypted store) {f['keys']}; every key opened as journaled {f['keys_ok']}")
     print(f"  checks {f['checks']}, checkpoints checked (over all checks) {f['checkpoints_checked']} "
           f"({f['bytes_checked'] / 2**20:.0f} MiB logical); at the end {f.get('checkpoints_at_end')} checkpoints, "
           f"{f.get('store_bytes', 0) / 2**20:.1f} MiB on disk; removed by retention {f['removed_by_retention']}")
@@ -690,7 +797,12 @@ def main(argv=None) -> int:
                    help="the gc loop never deletes index/*.mdb (the paths of the two known bugs, see test_soak.py)")
     p.add_argument("--no-fresh", dest="fresh", action="store_false", help="keep an existing store and journals")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--key-file", help="an encrypted store, with the key this file holds (32 raw bytes or a "
+                                      "passphrase); the gc loop also adds and removes keys")
     args = p.parse_args(argv)
+    if args.key_file:  # the processes inherit both: the workers' stores, their CLI commands
+        os.environ["SOAK_KEY_FILE"] = os.environ["CAS_KEY_FILE"] = os.path.abspath(args.key_file)
+        STORE_OPTS.update(store_opts())
     soak = Soak(args)
     try:
         figures = soak.run()
@@ -703,7 +815,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1, default=str)
     bad = figures["lost"] or figures.get("unloadable_until_repair") or figures["failures"] or not figures["verify_ok"] or not figures["exactly_reachable"] \
-        or figures["collisions_committed"]
+        or figures["collisions_committed"] or not figures["keys_ok"]
     return 1 if bad else 0
 
 
