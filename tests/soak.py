@@ -31,7 +31,8 @@ when N > 0 or anything else failed.
 With --key-file FILE the store is encrypted with the key in FILE (every process opens it with
 that key, the CLI through $CAS_KEY_FILE), and the gc loop also adds keys (`cas key add`, each
 from a file of 32 random bytes) and removes the ones it added (`cas key remove`), under the same
-SIGKILLs and with the keys.* fault points armed at some restarts. Each check then also opens the
+SIGKILLs and with the keys.* fault points armed at some restarts (the next change is then of
+that kind, and each `cas key` process dies at that point). Each check then also opens the
 store with every key journaled added and not being removed (it must open, as that key), with
 every key journaled removed (it must be refused), and with any other it began to add (a change
 cut short: either).
@@ -189,6 +190,15 @@ def journal_for(workdir: str, name: str) -> Journal:
 
 
 # --- workers ------------------------------------------------------------------------------------
+def refused_uncommitted(exc: Exception) -> str | None:
+    """The journal event for a change refused with nothing committed, which the soak retries: the
+    record log kept moving ("contention"), or the index was deleted or replaced under the process
+    ("index_replaced"; its next operation opens the index again). None for anything else."""
+    if isinstance(exc, cas.IndexReplacedError):
+        return "index_replaced"
+    return "contention" if "kept moving" in str(exc) else None
+
+
 def run_writer(kind: str, store_path: str, workdir: str, seed: int, max_steps: int) -> None:
     journal = journal_for(workdir, kind)
     done = [e["i"] for e in journal.read() if e["event"] in ("saved", "existed")]
@@ -231,11 +241,13 @@ def run_writer(kind: str, store_path: str, workdir: str, seed: int, max_steps: i
                     journal.append(event="pinned", i=j, step=ck.step)
 
         def contended(j: int, exc: Exception) -> None:
-            """A save refused because the record log kept moving (other caches committing): it says
-            nothing was committed; journal it and save the step again."""
-            if "kept moving" not in str(exc):
+            """A save refused, saying nothing was committed, because the record log kept moving
+            (other caches committing) or the index was deleted under it (the gc loop's `rm`):
+            journal it and save the step again."""
+            why = refused_uncommitted(exc)
+            if why is None:
                 raise exc
-            journal.append(event="contention", i=j, error=str(exc))
+            journal.append(event=why, i=j, error=str(exc))
             time.sleep(rng.uniform(0, 0.5))
 
         def finish(j: int, fut, t: float) -> None:
@@ -312,12 +324,15 @@ def run_gcloop(store_path: str, workdir: str, seed: int) -> None:
     rng = random.Random(seed * 104729 + n)
     journal.append(event="started")
     keyed = "key" in STORE_OPTS
+    armed = os.environ.get("CAS_FAULTS", "").partition("=")[0]
+    armed = armed if armed in KEY_FAULTS else None  # a keys.* point: the next change is of its kind
     while True:
         time.sleep(rng.uniform(0.2, 1.5))
         # an encrypted store's first operation adds a key (so even a short soak has one), then 15% are
         # key changes (a plain soak draws as it always did)
-        if keyed and (not any(e["event"] == "key_adding" for e in journal.read()) or rng.random() < 0.15):
-            churn_key(store_path, workdir, journal, rng)
+        if keyed and (armed or not any(e["event"] == "key_adding" for e in journal.read()) or rng.random() < 0.15):
+            churn_key(store_path, workdir, journal, rng, removal=armed and armed.startswith("keys.remov"))
+            armed = None
             continue
         r = rng.random()
         if r < 0.45:
@@ -333,7 +348,7 @@ def run_gcloop(store_path: str, workdir: str, seed: int) -> None:
                 with cas.open(store_path, **STORE_OPTS) as store:
                     report = store.gc(**rules)
             except cas.StoreWriteError as exc:
-                if "kept moving" not in str(exc):
+                if refused_uncommitted(exc) is None:
                     raise
                 journal.append(event="gc_failed", n=n, error=str(exc))  # "nothing was committed": taken at its word
                 continue
@@ -392,13 +407,15 @@ def keys_in_force(events: list[dict]) -> dict[str, int]:
     return added
 
 
-def churn_key(store_path: str, workdir: str, journal: Journal, rng: random.Random) -> None:
+def churn_key(store_path: str, workdir: str, journal: Journal, rng: random.Random,
+              removal: bool | None = None) -> None:
     """`cas key remove` an extra key added before, or `cas key add` a new one (32 random bytes in
-    a file of the workdir). A CLI killed by its fault point leaves that change unknown, and the
-    key is never used again; any other failure is a finding."""
+    a file of the workdir); which one at random unless `removal` says (a removal only when a key
+    is there to remove). A CLI killed by its fault point leaves that change unknown, and the key
+    is never used again; any other failure is a finding."""
     events = journal.read()
     in_force = keys_in_force(events)
-    if in_force and rng.random() < 0.5:
+    if in_force and (rng.random() < 0.5 if removal is None else removal):
         key_id = rng.choice(sorted(in_force))
         journal.append(event="key_removing", id=key_id)
         p = cli(store_path, "key", "remove", key_id)
@@ -455,9 +472,13 @@ class Soak:
     def restart(self, name: str) -> None:
         faults = ""
         if self.rng.random() < 0.3:
-            points = (GC_FAULTS + KEY_FAULTS * ("key" in STORE_OPTS) if name == "gcloop" else
+            points = (GC_FAULTS if name == "gcloop" else
                       ASYNC_FAULTS if name.startswith("async") else WRITER_FAULTS)
-            faults = f"{self.rng.choice(points)}=kill@{self.rng.randint(1, 6)}"
+            if name == "gcloop" and "key" in STORE_OPTS and self.rng.random() < 0.5:
+                # each `cas key` is a process of its own, counting from 1: kill its first change
+                faults = f"{self.rng.choice(KEY_FAULTS)}=kill@1"
+            else:
+                faults = f"{self.rng.choice(points)}=kill@{self.rng.randint(1, 6)}"
             self.figures["fault_restarts"] += 1
         self.figures["restarts"] += 1
         self.start(name, faults)
@@ -734,8 +755,10 @@ class Soak:
                     "sweeps finished": count("sweep_end"),
                     "removed": sum(len(e["removed"]) for e in g if e["event"] == "gc_end"),
                     "deferred": sum(bool(e.get("deferred")) for e in g if e["event"] == "gc_end"),
-                    "failed, record log kept moving": count("gc_failed")}
+                    "failed, nothing committed (record log kept moving, index replaced)": count("gc_failed")}
         f["saves_failed_log_kept_moving"] = {k: sum(e["event"] == "contention" for e in journals[k]) for k in WRITERS}
+        f["saves_refused_index_replaced"] = {k: sum(e["event"] == "index_replaced" for e in journals[k])
+                                             for k in WRITERS}
         f["verifies"] = {"finished": count("verify_end"), "not ok": sum(e["event"] == "verify_end" and e["rc"] != 0
                                                                          for e in g)}
         f["verify_findings"] = [e["out"] for e in g if e["event"] == "verify_end" and e["rc"] != 0][:5]
@@ -750,6 +773,7 @@ def print_figures(f: dict) -> None:
     print(f"soak seed {f['seed']}: {f['seconds']} s")
     print(f"  saves committed: {f['saves']} (+ found committed after a kill, unjournaled: {f['found_after_restart']})")
     print(f"  saves refused, 'the record log kept moving' (retried): {f['saves_failed_log_kept_moving']}")
+    print(f"  saves refused, the index deleted under them (retried): {f.get('saves_refused_index_replaced')}")
     print(f"  pins {f['pinned']}; re-saves of pinned steps refused {f['collisions_refused']}, "
           f"committed {f['collisions_committed']}")
     print(f"  kills {f['kills']} {f.get('kills_by_process', {})}; restarts with a fault point {f['fault_restarts']}, "
